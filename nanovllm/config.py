@@ -1,0 +1,146 @@
+"""Engine configuration: every engine argument in one place, validated once."""
+import glob
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from nanovllm.utils.validation import check_int, check_number
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class Config:
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    max_num_seqs: int = 512
+    max_num_batched_tokens: int = 16384
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    # Derived from the arguments and the checkpoint, not passed by users.
+    hf_config: PretrainedConfig = field(init=False, repr=False)
+    torch_dtype: torch.dtype = field(init=False)
+    eos_token_ids: tuple[int, ...] = field(init=False)
+
+    @classmethod
+    def from_engine_args(cls, model: str, **engine_args) -> "Config":
+        known = {f.name for f in fields(cls) if f.init} - {"model"}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; known arguments: {sorted(known)}")
+        return cls(model, **engine_args)
+
+    def __post_init__(self):
+        self.model = os.path.expanduser(str(self.model))
+        self.hf_config = load_hf_config(self.model)
+        self._check_device()
+        self._check_sizes()
+        self.torch_dtype = self._resolve_dtype()
+        self.eos_token_ids = read_eos_token_ids(self.model, self.hf_config)
+
+    def _check_device(self):
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu'")
+        tp = self.tensor_parallel_size
+        check_int("tensor_parallel_size", tp, 1)
+        if self.device == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} CUDA devices are visible")
+        heads, kv_heads = self.hf_config.num_attention_heads, self.hf_config.num_key_value_heads
+        if heads % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={heads}")
+        if kv_heads % tp and tp % kv_heads:
+            raise ValueError(f"tensor_parallel_size={tp} and num_key_value_heads={kv_heads}: one must divide the other")
+
+    def _check_sizes(self):
+        limit = self.hf_config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = min(4096, limit)
+        check_int("max_model_len", self.max_model_len, 2, limit)
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): every running sequence decodes one token per step")
+        size = self.kvcache_block_size
+        if not isinstance(size, int) or size < 16 or size > 256 or size & (size - 1):
+            raise ValueError(f"kvcache_block_size must be a power of two in [16, 256], got {size!r}")
+        check_int("num_kvcache_blocks", self.num_kvcache_blocks, -1)
+        if self.num_kvcache_blocks == 0 or 0 < self.num_kvcache_blocks < self.min_kvcache_blocks:
+            raise ValueError(
+                f"num_kvcache_blocks must be -1 (size from memory) or at least {self.min_kvcache_blocks} "
+                f"(one sequence of max_model_len={self.max_model_len}), got {self.num_kvcache_blocks}")
+        check_number("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def min_kvcache_blocks(self) -> int:
+        return -(-self.max_model_len // self.kvcache_block_size)
+
+    def _resolve_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            if self.device == "cpu":
+                return torch.float32
+            return checkpoint_dtype(self.hf_config)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        return DTYPES[self.dtype]
+
+
+def load_hf_config(model: str) -> PretrainedConfig:
+    if not os.path.isdir(model):
+        raise ValueError(f"model: {model!r} is not a local directory (nanovllm loads local checkpoints only)")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"model: {model!r} has no config.json")
+    if not glob.glob(os.path.join(model, "*.safetensors")):
+        raise ValueError(f"model: {model!r} has no *.safetensors weight files")
+    hf_config = AutoConfig.from_pretrained(model)
+    if hf_config.model_type != "qwen3":
+        raise ValueError(f"model: only Qwen3 checkpoints are supported, got model_type={hf_config.model_type!r}")
+    return hf_config
+
+
+def rope_theta(hf_config: PretrainedConfig) -> float:
+    """transformers 5 keeps rope_theta inside rope_parameters; older configs have it at the top level."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("config.json has neither rope_theta nor rope_parameters.rope_theta")
+    return float(theta)
+
+
+def checkpoint_dtype(hf_config: PretrainedConfig) -> torch.dtype:
+    """transformers 5 calls it dtype, older configs torch_dtype; bfloat16 when neither says."""
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.bfloat16
+    return DTYPES[dtype] if isinstance(dtype, str) else dtype
+
+
+def read_eos_token_ids(model: str, hf_config: PretrainedConfig) -> tuple[int, ...]:
+    """EOS ids from config.json and, where present, generation_config.json (chat models list several)."""
+    ids = set()
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    try:
+        from transformers import GenerationConfig
+        sources.append(GenerationConfig.from_pretrained(model).eos_token_id)
+    except OSError:
+        pass
+    for source in sources:
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return tuple(sorted(ids))

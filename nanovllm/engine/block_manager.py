@@ -1,0 +1,130 @@
+"""Paged KV blocks: allocation, reference counts, and a hash-chained prefix cache with LRU eviction.
+
+A block is identified by a hash chained over every token up to its end, so two sequences share a
+block only when their whole prefixes agree. Freed blocks keep their contents and wait in an LRU
+list; a later request with the same prefix revives them instead of recomputing.
+"""
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from nanovllm.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None           # set once the block is full and its K/V are computed
+    token_ids: tuple[int, ...] = ()   # confirms a hash hit
+
+
+def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
+    h = xxhash.xxh64()
+    if prev_hash is not None:
+        h.update(prev_hash.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.empty_blocks: deque[int] = deque(range(num_blocks))      # hold nothing worth keeping
+        self.evictable_blocks: OrderedDict[int, None] = OrderedDict()  # freed cached blocks, LRU first
+        self.hash_to_block: dict[int, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.empty_blocks) + len(self.evictable_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.blocks) - self.num_free_blocks
+
+    def block_hashes(self, seq: Sequence) -> list[int]:
+        """The chained hash of each full block of seq (computed once, grown as blocks fill)."""
+        size = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_tokens // size):
+            prev = seq.block_hashes[-1] if seq.block_hashes else None
+            seq.block_hashes.append(chain_hash(prev, seq.token_ids[i * size:(i + 1) * size]))
+        return seq.block_hashes
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding seq's leading full blocks; the last token is always left to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        size = self.block_size
+        hashes = self.block_hashes(seq)
+        hits = []
+        for i in range((seq.num_tokens - 1) // size):
+            block_id = self.hash_to_block.get(hashes[i])
+            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * size:(i + 1) * size]):
+                break
+            hits.append(block_id)
+        return hits
+
+    def num_blocks_needed(self, seq: Sequence, num_tokens: int, cached_prefix: list[int] = ()) -> int:
+        """Free blocks taken if seq's block table grows to cover num_tokens (reviving cached_prefix)."""
+        revived = sum(1 for b in cached_prefix if self.blocks[b].ref_count == 0)
+        covered = len(seq.block_table) + len(cached_prefix)
+        return revived + max(0, -(-num_tokens // self.block_size) - covered)
+
+    def can_allocate(self, seq: Sequence, num_tokens: int, cached_prefix: list[int] = ()) -> bool:
+        return self.num_blocks_needed(seq, num_tokens, cached_prefix) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_tokens: int, cached_prefix: list[int] = ()) -> None:
+        """Attach cached_prefix to seq, then grow its block table to cover num_tokens tokens."""
+        assert self.can_allocate(seq, num_tokens, cached_prefix)
+        for block_id in cached_prefix:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.evictable_blocks[block_id]   # a hit on a waiting block revives it
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        while len(seq.block_table) * self.block_size < num_tokens:
+            seq.block_table.append(self._take_free_block())
+
+    def _take_free_block(self) -> int:
+        if self.empty_blocks:
+            block_id = self.empty_blocks.popleft()
+        else:
+            block_id, _ = self.evictable_blocks.popitem(last=False)
+            block = self.blocks[block_id]
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = None, ()
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def cache_computed_blocks(self, seq: Sequence, num_computed_before: int) -> None:
+        """Publish the blocks that became full and computed since num_computed_before."""
+        if not self.enable_prefix_caching:
+            return
+        size = self.block_size
+        first, last = num_computed_before // size, seq.num_computed_tokens // size
+        if first == last:
+            return
+        hashes = self.block_hashes(seq)
+        for i in range(first, last):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                block.hash = hashes[i]
+                block.token_ids = tuple(seq.token_ids[i * size:(i + 1) * size])
+                self.hash_to_block[block.hash] = block.block_id
+
+    def free(self, seq: Sequence) -> None:
+        # Tail blocks are released first so they are evicted before the shared-looking head blocks.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is not None:
+                    self.evictable_blocks[block_id] = None
+                else:
+                    self.empty_blocks.append(block_id)
+        seq.block_table.clear()

@@ -1,0 +1,142 @@
+"""Continuous batching: which sequences compute how many tokens in the next step.
+
+Prefill comes first: a step continues a prompt that is being chunked, then admits waiting
+requests in arrival order while the token and sequence budgets and the KV pool allow. With no
+prefill work, every running sequence decodes one token; when the pool runs dry the most recently
+admitted sequence is preempted (its blocks freed, its tokens recomputed later).
+"""
+from collections import deque
+from dataclasses import dataclass
+
+from nanovllm.config import Config
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]   # tokens each sequence computes this step
+    is_prefill: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: Config, block_manager: BlockManager):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.eos_token_ids = frozenset(config.eos_token_ids)
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []   # in admission order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def schedule(self) -> ScheduledBatch:
+        batch = self._schedule_prefill()
+        if not batch.seqs:
+            batch = self._schedule_decode()
+        return batch
+
+    def _schedule_prefill(self) -> ScheduledBatch:
+        bm = self.block_manager
+        batch = ScheduledBatch([], [], is_prefill=True)
+        budget = self.max_num_batched_tokens
+        for seq in self.running:                       # a prompt in the middle of chunking
+            if seq.num_uncomputed_tokens > 1 and budget > 0:
+                n = min(seq.num_uncomputed_tokens, budget)
+                if bm.can_allocate(seq, seq.num_computed_tokens + n):
+                    bm.allocate(seq, seq.num_computed_tokens + n)
+                    batch.seqs.append(seq)
+                    batch.num_new_tokens.append(n)
+                    budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached_prefix = bm.find_cached_prefix(seq)
+            num_cached = len(cached_prefix) * bm.block_size
+            n = seq.num_tokens - num_cached
+            if n > budget:
+                if n <= self.max_num_batched_tokens:
+                    break                              # fits whole in a later step
+                n = budget                             # could never fit whole: chunk it
+            if not bm.can_allocate(seq, num_cached + n, cached_prefix):
+                break
+            bm.allocate(seq, num_cached + n, cached_prefix)
+            seq.num_computed_tokens = num_cached
+            if not seq.admitted:
+                seq.admitted, seq.num_cached_tokens = True, num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.popleft()
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _schedule_decode(self) -> ScheduledBatch:
+        bm = self.block_manager
+        seqs = []
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if seq.num_uncomputed_tokens > 1:          # a chunked prompt still waiting for blocks
+                i += 1
+            elif bm.can_allocate(seq, seq.num_tokens):
+                bm.allocate(seq, seq.num_tokens)
+                seqs.append(seq)
+                i += 1
+            else:
+                self._preempt(self.running.pop())      # newest first; may be seq itself
+        return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int | None],
+                    logprobs: list[dict[int, float] | None] | None = None) -> list[Sequence]:
+        """Record what the step computed; returns the sequences that received a token."""
+        grown = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens += n
+            self.block_manager.cache_computed_blocks(seq, before)
+            token_id = sampled[i]
+            if token_id is None:                        # a prompt chunk that is not the last
+                continue
+            seq.append_token(token_id, logprobs[i] if logprobs else None)
+            grown.append(seq)
+            reason = self._stop_reason(seq)
+            if reason:
+                self.finish(seq, reason)
+        return grown
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        params = seq.sampling_params
+        token_id = seq.last_token_id
+        if seq.num_completion_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return "stop"
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return "stop"
+        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+        self.running.remove(seq)

@@ -1,0 +1,224 @@
+"""Attention of new query tokens over keys and values that live in the paged KV cache.
+
+Every sequence's keys are the first `context_len` token slots of its block table; its new queries
+are the last `q_len` of those positions and attend causally. Decode is the case q_len == 1.
+Cache layout: [num_blocks, block_size, num_kv_heads, head_dim].
+
+The decode kernel gives one program to each (sequence, KV head, context split): it loads every
+K/V tile once for all query heads of its group, and long contexts can be split over several
+programs whose partial results a second kernel combines (flash-decoding). The prefill kernel gives
+one program to each (query tile, sequence, head).
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from nanovllm.kernels.triton_compat import tl, triton
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                        block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Torch twin of both kernels. q: [num_tokens, num_heads, head_dim] packed by sequence."""
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    for i, context_len in enumerate(lens):
+        start, end = starts[i], starts[i + 1]
+        if end == start:
+            continue
+        blocks = block_tables[i, :-(-context_len // block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:context_len].transpose(0, 1)
+        v = v_cache[blocks].flatten(0, 1)[:context_len].transpose(0, 1)
+        q_pos = torch.arange(context_len - (end - start), context_len, device=q.device)
+        causal = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k, v, attn_mask=causal,
+                                           scale=scale, enable_gqa=True)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 callers (the tiny test models) want float32 answers, not tf32 ones
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+                   out_ptr, part_out_ptr, part_lse_ptr, scale_log2e, stride_q_seq, stride_q_head,
+                   stride_out_seq, stride_out_head, stride_cache_block, stride_cache_token, stride_bt,
+                   NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    num_tiles = tl.cdiv(context_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    first_tile = split * tiles_per_split
+    last_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + g
+    head_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
+                mask=head_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for tile in range(first_tile, last_tile):
+        token = tile * BLOCK_N               # a tile never straddles a block: BLOCK_SIZE % BLOCK_N == 0
+        block = tl.load(block_tables_ptr + seq * stride_bt + token // BLOCK_SIZE).to(tl.int64)
+        valid = token + n < context_len
+        offs = (block * stride_cache_block + (token % BLOCK_SIZE + n)[:, None] * stride_cache_token
+                + kv_head * HEAD_DIM + d[None, :])
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    out_mask = head_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        row = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=out_mask)
+        tl.store(part_lse_ptr + row, m + tl.log2(l), mask=head_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_out_seq, stride_out_head,
+                           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                           NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    row = (seq * NUM_HEADS + head) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + row, mask=s < NUM_SPLITS, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    weight = tl.where(lse > float("-inf"), tl.exp2(lse - lse_max), 0.0)   # empty splits weigh 0
+    part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                   mask=(s < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(weight[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Context splits per sequence so that a decode step launches about two programs per SM."""
+    return max(1, min(16, -(-2 * num_sms // (num_seqs * num_kv_heads))))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                           num_splits: int = 1) -> torch.Tensor:
+    """q: [num_seqs, num_heads, head_dim], one new token per sequence (already in the cache)."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_splits > 1:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out   # unused
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=min(64, block_size),
+        NUM_SPLITS=num_splits, PRECISION=_dot_precision(q.dtype), num_warps=4)
+    if num_splits > 1:
+        _combine_splits_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits))
+    return out
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr,
+                    out_ptr, scale_log2e, stride_q_token, stride_q_head, stride_out_token, stride_out_head,
+                    stride_cache_block, stride_cache_token, stride_bt,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    tile_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if tile_m * BLOCK_M < q_len:
+        context_len = tl.load(context_lens_ptr + seq)
+        kv_head = head // GROUP
+        m_idx = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, BLOCK_D)
+        n = tl.arange(0, BLOCK_N)
+        q_mask = m_idx < q_len
+        d_mask = d < HEAD_DIM
+        q_offs = (q_start + m_idx)[:, None] * stride_q_token + head * stride_q_head + d[None, :]
+        q = tl.load(q_ptr + q_offs, mask=q_mask[:, None] & d_mask[None, :], other=0.0)
+        q_pos = context_len - q_len + m_idx
+
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        key_end = tl.minimum(context_len, context_len - q_len + (tile_m + 1) * BLOCK_M)   # causal
+        for token in range(0, key_end, BLOCK_N):
+            block = tl.load(block_tables_ptr + seq * stride_bt + token // BLOCK_SIZE).to(tl.int64)
+            k_pos = token + n
+            offs = (block * stride_cache_block + (token % BLOCK_SIZE + n)[:, None] * stride_cache_token
+                    + kv_head * HEAD_DIM + d[None, :])
+            kv_mask = (k_pos < key_end)[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+            s = tl.where((k_pos[None, :] <= q_pos[:, None]) & (k_pos < key_end)[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)   # padded query rows see no key
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m - m_safe)
+            v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        out_offs = (q_start + m_idx)[:, None] * stride_out_token + head * stride_out_head + d[None, :]
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, max_seqlen_q: int, context_lens: torch.Tensor,
+                            block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim] packed by sequence; their K/V are already in the cache."""
+    num_heads, head_dim = q.shape[1:]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    block_m = 64 if block_d <= 64 else 32 if q.dtype == torch.float32 else 64
+    grid = (triton.cdiv(max_seqlen_q, block_m), context_lens.shape[0], num_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=min(32 if q.dtype == torch.float32 else 64, block_size),
+        PRECISION=_dot_precision(q.dtype), num_warps=4)
+    return out

@@ -1,0 +1,84 @@
+"""Turns one row of logits per sequence into the next token, on the device that holds the logits.
+
+Filters apply in the order temperature, min_p, top_k, top_p, each on what the previous one left.
+Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws index i with
+probability p_i, so one argmax replaces a cumulative search, and a seeded request draws its
+noise from its own generator (same seed, same tokens, whatever else is in the batch).
+"""
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(slots=True)
+class SamplingTensors:
+    temperatures: torch.Tensor            # [n] float32; 0 = greedy
+    all_greedy: bool = False              # skip the sampling work altogether
+    top_k: torch.Tensor | None = None     # [n] int64, vocab size where off; None when off for all
+    top_p: torch.Tensor | None = None     # [n] float32, 1 where off
+    min_p: torch.Tensor | None = None     # [n] float32, 0 where off
+    generators: dict[int, torch.Generator] | None = None   # row -> generator of a seeded request
+    banned_tokens: dict[int, list[int]] | None = None      # row -> ids not allowed yet (min_tokens)
+    max_logprobs: int | None = None       # top alternatives to report; None: no logprobs asked
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor                  # [n]
+    logprobs: torch.Tensor | None = None     # [n] logprob of the chosen token
+    top_logprobs: torch.Tensor | None = None  # [n, k]
+    top_token_ids: torch.Tensor | None = None  # [n, k]
+
+
+class Sampler(nn.Module):
+    @torch.no_grad()
+    def forward(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
+        logits = logits.float()
+        out = SamplerOutput(self._sample(self._ban(logits, params), params))
+        if params.max_logprobs is not None:
+            logprobs = torch.log_softmax(logits, dim=-1)
+            out.logprobs = logprobs.gather(1, out.token_ids.unsqueeze(1)).squeeze(1)
+            out.top_logprobs, out.top_token_ids = logprobs.topk(params.max_logprobs, dim=-1)
+        return out
+
+    @staticmethod
+    def _ban(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+        if not params.banned_tokens:
+            return logits
+        logits = logits.clone()
+        for row, token_ids in params.banned_tokens.items():
+            logits[row, token_ids] = float("-inf")
+        return logits
+
+    def _sample(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+        if params.all_greedy:
+            return logits.argmax(dim=-1)
+        temperatures = params.temperatures
+        greedy = temperatures == 0
+        probs = torch.softmax(logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1), dim=-1)
+        probs = filter_probs(probs, params.min_p, params.top_k, params.top_p)
+        noise = torch.empty_like(probs).exponential_()
+        for row, generator in (params.generators or {}).items():
+            noise[row].exponential_(generator=generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def filter_probs(probs: torch.Tensor, min_p: torch.Tensor | None, top_k: torch.Tensor | None,
+                 top_p: torch.Tensor | None) -> torch.Tensor:
+    """Zero the probabilities that min_p, then top_k, then top_p remove (rows need not sum to 1)."""
+    if min_p is not None:
+        probs = probs.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, 0.0)
+    if top_k is None and top_p is None:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    if top_k is not None:
+        rank = torch.arange(probs.shape[-1], device=probs.device)
+        sorted_probs = sorted_probs.masked_fill(rank.unsqueeze(0) >= top_k.unsqueeze(1), 0.0)
+    if top_p is not None:
+        mass = sorted_probs.cumsum(dim=-1)
+        mass_before = (mass - sorted_probs) / mass[:, -1:]
+        # keep the smallest prefix whose mass reaches top_p, including the token that crosses it
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)

@@ -1,0 +1,115 @@
+"""Qwen3 checkpoints with random weights, built offline: the demo model, the test models, and
+full-size shapes for benchmarks (throughput does not depend on the weight values).
+
+Weights are drawn so that a random model still behaves like a trained one where it matters for
+testing: projections keep activations at unit scale, norm weights are far from 1 (a misplaced
+norm changes the output), and the logits are spread out (greedy choices are not near-ties).
+"""
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+from transformers import Qwen3Config
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = """
+An inference engine turns a trained language model into answers. It keeps the keys and values of
+every token it has seen in a cache split into fixed-size blocks, so that many requests can share
+the memory of one device. Requests that begin with the same words share the same blocks. When a
+request finishes, its blocks wait in a list until another request needs them or the memory is
+taken for something new. The scheduler decides at every step which requests run: new prompts are
+read in large pieces, and running requests each add one token. The numbers 0 1 2 3 4 5 6 7 8 9
+and the letters of the alphabet, upper and lower case, all appear here: ABCDEFGHIJKLMNOPQRSTUVWXYZ
+abcdefghijklmnopqrstuvwxyz. Introduce yourself. List all prime numbers within 100. What is the
+capital of France? Paris is the capital of France. Tell me a story about a small robot who learns
+to read.
+"""
+
+
+def tiny_qwen3_config(vocab_size: int, **overrides) -> Qwen3Config:
+    """A Qwen3 small enough for a CPU test: grouped-query attention and tied embeddings by default."""
+    args = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=10000.0,
+                bos_token_id=0, eos_token_id=2, pad_token_id=0)
+    args.update(overrides)
+    config = Qwen3Config(**args)
+    config.architectures = ["Qwen3ForCausalLM"]
+    return config
+
+
+def write_demo_tokenizer(path: str, vocab_size: int = 500):
+    """Train a byte-level BPE tokenizer on a paragraph of text; ids 0-2 are the special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def write_random_checkpoint(path: str, config: Qwen3Config, seed: int = 0, dtype: torch.dtype | None = None,
+                            max_shard_bytes: int = 4 << 30, device: str = "cpu") -> None:
+    """Write config.json and random safetensors shards (with an index when there are several)."""
+    from transformers import Qwen3ForCausalLM
+
+    os.makedirs(path, exist_ok=True)
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    config.dtype = dtype
+    config.save_pretrained(path)
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in Qwen3ForCausalLM(config).named_parameters()}
+    generator = torch.Generator(device).manual_seed(seed)
+    shards, shard, shard_bytes = [], {}, 0
+    for name, shape in shapes.items():
+        tensor = _random_weight(name, shape, generator, device).to(dtype).cpu()
+        if shard and shard_bytes + tensor.nbytes > max_shard_bytes:
+            shards.append(shard)
+            shard, shard_bytes = {}, 0
+        shard[name] = tensor
+        shard_bytes += tensor.nbytes
+    shards.append(shard)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, tensors in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+
+
+def _random_weight(name: str, shape: torch.Size, generator: torch.Generator, device: str) -> torch.Tensor:
+    # Sharp attention (large q/k norm weights) and layer outputs that dominate the residual keep a
+    # random model from settling into repeating one token, which would make greedy tests weak.
+    if name.endswith("norm.weight"):
+        w = torch.rand(shape, generator=generator, device=device) + 0.5          # in [0.5, 1.5)
+        return w * 2.5 if "q_norm" in name or "k_norm" in name else w
+    w = torch.randn(shape, generator=generator, device=device)
+    if "embed_tokens" in name:
+        return w * 0.3
+    gain = 3.0 if "o_proj" in name or "down_proj" in name else 2.0 if "lm_head" in name else 1.0
+    return w * gain / shape[-1] ** 0.5
+
+
+def write_tiny_model(path: str, seed: int = 0, max_shard_bytes: int = 4 << 30, **config_overrides) -> str:
+    """Tokenizer plus a tiny random Qwen3 in float32: the demo and the test models."""
+    tokenizer = write_demo_tokenizer(path)
+    config = tiny_qwen3_config(len(tokenizer), **config_overrides)
+    write_random_checkpoint(path, config, seed=seed, dtype=torch.float32, max_shard_bytes=max_shard_bytes)
+    return path

@@ -1,0 +1,21 @@
+"""Argument checks whose messages name the argument and the allowed range."""
+
+
+def check_int(name: str, value, low: int, high: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+
+
+def check_number(name: str, value, low: float, high: float | None = None, low_open: bool = False) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    too_low = value <= low if low_open else value < low
+    if too_low or (high is not None and value > high) or value != value:
+        if high is None:
+            allowed = f"> {low}" if low_open else f">= {low}"
+        else:
+            allowed = f"in {'(' if low_open else '['}{low}, {high}]"
+        raise ValueError(f"{name} must be {allowed}, got {value}")
