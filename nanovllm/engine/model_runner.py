@@ -73,6 +73,9 @@ class ModelRunner:
         self.model.eval()
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        backend = choose_attention_backend(self.device)
+        for attn in self.attention_layers:
+            attn.backend = backend
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.is_cuda else 1
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -98,9 +101,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size,
                                     layer.num_kv_heads, layer.head_dim, dtype=self.config.torch_dtype,
                                     device=self.device)
-        backend = choose_attention_backend(self.device)
         for i, attn in enumerate(self.attention_layers):
-            attn.k_cache, attn.v_cache, attn.backend = self.kv_cache[0, i], self.kv_cache[1, i], backend
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         return num_blocks
 
     def _blocks_that_fit(self) -> int:

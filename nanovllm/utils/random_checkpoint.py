@@ -5,8 +5,10 @@ Weights are drawn so that a random model still behaves like a trained one where 
 testing: projections keep activations at unit scale, norm weights are far from 1 (a misplaced
 norm changes the output), and the logits are spread out (greedy choices are not near-ties).
 """
+import hashlib
 import json
 import os
+import tempfile
 
 import torch
 from safetensors.torch import save_file
@@ -112,4 +114,18 @@ def write_tiny_model(path: str, seed: int = 0, max_shard_bytes: int = 4 << 30, *
     tokenizer = write_demo_tokenizer(path)
     config = tiny_qwen3_config(len(tokenizer), **config_overrides)
     write_random_checkpoint(path, config, seed=seed, dtype=torch.float32, max_shard_bytes=max_shard_bytes)
+    return path
+
+
+def cached_random_checkpoint(config_file: str) -> str:
+    """A bfloat16 random checkpoint of the shape in config_file, written once to the temp dir."""
+    with open(config_file) as f:
+        text = f.read()
+    path = os.path.join(tempfile.gettempdir(), "nanovllm-random-" + hashlib.sha1(text.encode()).hexdigest()[:12])
+    if not os.path.isfile(os.path.join(path, "complete")):
+        print(f"Writing random weights of the shape in {config_file} to {path} ...")
+        write_demo_tokenizer(path)
+        write_random_checkpoint(path, Qwen3Config(**json.loads(text)), dtype=torch.bfloat16,
+                                device="cuda" if torch.cuda.is_available() else "cpu")
+        open(os.path.join(path, "complete"), "w").close()
     return path

@@ -1,0 +1,55 @@
+"""Offline throughput in the shape of nano-vllm's benchmark.
+
+256 requests, prompt and output lengths each uniform in [100, 1024] (random.seed(0)), random token
+ids below 10000, temperature 0.6, ignore_eos, max_model_len 4096; one warm-up request, then
+throughput = output tokens / wall time.
+
+    python bench.py --model ~/huggingface/Qwen3-0.6B
+    python bench.py --config configs/qwen3-0.6b.json     # random weights of that shape
+"""
+import argparse
+import time
+from random import randint, seed
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.random_checkpoint import cached_random_checkpoint
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="local Hugging Face Qwen3 checkpoint directory")
+    source.add_argument("--config", help="config.json of a Qwen3 shape; weights are random")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--min-input-len", type=int, default=100)
+    parser.add_argument("--max-input-len", type=int, default=1024)
+    parser.add_argument("--min-output-len", type=int, default=100)
+    parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--enable-prefix-caching", type=int, default=1, help="1 or 0")
+    args = parser.parse_args()
+
+    path = args.model or cached_random_checkpoint(args.config)
+    llm = LLM(path, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
+              enforce_eager=args.enforce_eager, enable_prefix_caching=bool(args.enable_prefix_caching))
+
+    seed(0)
+    prompts = [[randint(0, 10000) for _ in range(randint(args.min_input_len, args.max_input_len))]
+               for _ in range(args.num_seqs)]
+    sampling_params = [SamplingParams(temperature=0.6, ignore_eos=True,
+                                      max_tokens=randint(args.min_output_len, args.max_output_len))
+                       for _ in range(args.num_seqs)]
+
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, sampling_params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    total = sum(len(o["token_ids"]) for o in outputs)
+    assert total == sum(sp.max_tokens for sp in sampling_params)
+    print(f"Total: {total}tok, Time: {elapsed:.2f}s, Throughput: {total / elapsed:.2f}tok/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One GPU round: correctness first, then measurements. Run from the repo root on a CUDA machine.
+#   bash scripts/gpu_check.sh tests    # GPU tests (kernels vs twins, CUDA vs CPU vs transformers)
+#   bash scripts/gpu_check.sh bench    # bench.py, step timings, profile, transformers side by side
+# Logs go to $OUT (or ./gpu_logs).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+LOGS=${OUT:-gpu_logs}
+mkdir -p "$LOGS"
+stage=${1:-all}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+python -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| triton', triton.__version__, '| transformers', transformers.__version__)"
+
+if [ "$stage" = tests ] || [ "$stage" = all ]; then
+  python -m pytest -q -x tests/test_kernels.py tests/test_gpu.py -s 2>&1 | tee "$LOGS/pytest_gpu.log" | grep -E "passed|failed|error|ours|Error" | tail -30
+  python -m pytest -q tests/ --ignore=tests/test_kernels.py --ignore=tests/test_gpu.py 2>&1 | tee "$LOGS/pytest_rest_on_cuda.log" | tail -15
+fi
+if [ "$stage" = bench ] || [ "$stage" = all ]; then
+  python bench.py --config configs/qwen3-0.6b.json 2>&1 | tee "$LOGS/bench.log" | grep -v Loading
+  python scripts/step_timing.py 2>&1 | tee "$LOGS/step_timing.log" | grep -v Loading
+  python scripts/profile_bench.py 2>&1 | tee "$LOGS/profile.log" | grep -v Loading | head -30
+  timeout 280 python scripts/hf_continuous_batching.py --timeout 200 2>&1 | tee "$LOGS/hf_cb.log" | tail -5
+fi

@@ -1,0 +1,60 @@
+"""Hugging Face transformers' own continuous batching on bench.py's workload, for a side-by-side
+ratio: same requests, per-request max_new_tokens, EOS off, temperature 0.6.
+
+    PYTHONPATH=. python scripts/hf_continuous_batching.py --config configs/qwen3-0.6b.json
+"""
+import argparse
+import time
+from random import randint, seed
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from nanovllm.utils.random_checkpoint import cached_random_checkpoint
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default="configs/qwen3-0.6b.json")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--timeout", type=float, default=300, help="seconds; report partial results after")
+    parser.add_argument("--attn", default="sdpa_paged")
+    args = parser.parse_args()
+    seed(0)
+    prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(args.num_seqs)]
+    max_tokens = [randint(100, 1024) for _ in prompts]
+
+    path = cached_random_checkpoint(args.config)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation=args.attn).cuda()
+    gen_config = GenerationConfig(do_sample=True, temperature=0.6, max_new_tokens=max(max_tokens), eos_token_id=-1)
+    kwargs = {}
+    try:
+        from transformers.generation import ContinuousBatchingConfig
+        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(auto_switch_to_flash=False)
+    except (ImportError, TypeError):
+        pass
+    manager = model.init_continuous_batching(generation_config=gen_config, **kwargs)
+    manager.start()
+    try:
+        warm = manager.add_request([1, 2, 3], max_new_tokens=8, eos_token_id=-1)
+        while manager.get_result(warm, timeout=60) is None:
+            pass
+        start = time.perf_counter()
+        for prompt, n in zip(prompts, max_tokens):
+            manager.add_request(prompt, max_new_tokens=n, eos_token_id=-1)
+        done, tokens = 0, 0
+        while done < len(prompts) and time.perf_counter() - start < args.timeout:
+            result = manager.get_result(timeout=1)
+            if result is not None:
+                done += 1
+                tokens += len(result.generated_tokens)
+        elapsed = time.perf_counter() - start
+    finally:
+        manager.stop(block=False)
+    note = "" if done == len(prompts) else f" (stopped after {args.timeout:.0f} s: partial)"
+    print(f"transformers {args.attn}: {done}/{len(prompts)} requests, {tokens} tokens in {elapsed:.2f} s = "
+          f"{tokens / elapsed:,.0f} tok/s{note}")
+
+
+if __name__ == "__main__":
+    main()

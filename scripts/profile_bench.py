@@ -1,0 +1,103 @@
+"""Where bench.py's time goes: wall, GPU-busy and host-only time of prefill and decode steps over
+the whole workload, then a kernel breakdown of a window of decode steps (torch profiler).
+
+    PYTHONPATH=. python scripts/profile_bench.py --config configs/qwen3-0.6b.json
+"""
+import argparse
+import time
+from collections import defaultdict
+from random import randint, seed
+
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.random_checkpoint import cached_random_checkpoint
+
+KERNEL_GROUPS = [("attention", ("_decode_kernel", "_combine_splits", "_prefill_kernel", "flash", "attention")),
+                 ("kv store", ("_store_kvcache",)), ("rms norm", ("_rms_norm",)), ("rotary", ("_rotary",)),
+                 ("silu*mul", ("_silu_and_mul",)), ("GEMM", ("gemm", "cutlass", "sm90", "nvjet", "cublas")),
+                 ("sampler", ("softmax", "exponential", "argmax", "reduce", "div", "where", "distribution"))]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default="configs/qwen3-0.6b.json")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--profile-steps", type=int, default=20)
+    args = parser.parse_args()
+    llm = LLM(cached_random_checkpoint(args.config))
+    seed(0)
+    prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(args.num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, 1024)) for _ in prompts]
+    llm.generate(["warm-up"], SamplingParams(), use_tqdm=False)
+
+    runner = llm.model_runner
+    totals = defaultdict(float)
+    counts = defaultdict(int)
+    original_run = runner.run
+
+    def timed_run(batch):
+        kind = "prefill" if batch.is_prefill else "decode"
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        out = original_run(batch)           # ends with .tolist(): the GPU work is done
+        end.record()
+        end.synchronize()
+        totals[kind + " run wall"] += time.perf_counter() - t0
+        totals[kind + " GPU"] += start.elapsed_time(end) / 1e3
+        return out
+
+    runner.run = timed_run
+    original_step = llm.step
+
+    def timed_step():
+        t0 = time.perf_counter()
+        out = original_step()
+        kind = "prefill" if llm.num_prefill_tokens else "decode"
+        totals[kind + " step wall"] += time.perf_counter() - t0
+        counts[kind] += 1
+        return out
+
+    llm.step = timed_step
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o["token_ids"]) for o in outputs)
+    print(f"workload: {tokens} output tokens in {wall:.2f} s = {tokens / wall:,.0f} tok/s")
+    for kind in ("prefill", "decode"):
+        step, gpu, run = totals[kind + " step wall"], totals[kind + " GPU"], totals[kind + " run wall"]
+        print(f"{kind:8s}: {counts[kind]:5d} steps, wall {step:6.2f} s, GPU busy {gpu:6.2f} s, "
+              f"host outside model_runner.run {step - run:5.2f} s, host inside run {run - gpu:5.2f} s (approx.)")
+
+    # kernel breakdown of decode steps in the middle of a fresh run
+    runner.run, llm.step = original_run, original_step
+    for prompt, p in zip(prompts, params):
+        llm.add_request(prompt, p)
+    steps = 0
+    while not llm.is_finished() and steps < 300:
+        llm.step()
+        steps += 1
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.profile_steps):
+            llm.step()
+        torch.cuda.synchronize()
+    while not llm.is_finished():
+        llm.step()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events)
+    groups = defaultdict(float)
+    for e in events:
+        name = e.key.lower()
+        group = next((g for g, keys in KERNEL_GROUPS if any(k.lower() in name for k in keys)), "other")
+        groups[group] += e.self_device_time_total
+    print(f"\ndecode window: {args.profile_steps} steps, GPU kernel time {total / 1e3:.1f} ms "
+          f"({total / 1e3 / args.profile_steps:.2f} ms/step)")
+    for group, us in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"  {group:10s} {us / 1e3:8.2f} ms  {100 * us / total:5.1f}%")
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20))
+
+
+if __name__ == "__main__":
+    main()

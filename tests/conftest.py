@@ -1,0 +1,86 @@
+"""Tiny random Qwen3 checkpoints built offline, and a plain transformers greedy loop to judge by."""
+import gc
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from nanovllm.utils.random_checkpoint import write_tiny_model
+
+# Two shapes: grouped-query attention with tied embeddings (sharded, old-style config.json), and
+# multi-head attention with untied embeddings and a head_dim that differs from hidden/heads.
+MODEL_SHAPES = {
+    "gqa_tied": dict(seed=1, max_shard_bytes=60_000),
+    "mha_untied": dict(seed=2, tie_word_embeddings=False, hidden_size=96, num_attention_heads=4,
+                       num_key_value_heads=4, head_dim=32),
+}
+
+
+def _write_old_style_config(path: str) -> None:
+    """Rewrite config.json the way pre-5 transformers did (rope_theta, torch_dtype)."""
+    file = os.path.join(path, "config.json")
+    with open(file) as f:
+        config = json.load(f)
+    config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+    config["torch_dtype"] = config.pop("dtype")
+    with open(file, "w") as f:
+        json.dump(config, f, indent=2)
+
+
+@pytest.fixture(autouse=True)
+def free_device_memory():
+    """Engines hold reference cycles (weight loaders are bound methods); free their GPU memory now,
+    because the next engine sizes its KV pool from what is free."""
+    yield
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="session")
+def model_paths(tmp_path_factory) -> dict[str, str]:
+    paths = {}
+    for name, args in MODEL_SHAPES.items():
+        path = str(tmp_path_factory.mktemp(name))
+        write_tiny_model(path, **args)
+        if name == "gqa_tied":
+            _write_old_style_config(path)
+        paths[name] = path
+    return paths
+
+
+@pytest.fixture(params=list(MODEL_SHAPES))
+def model_path(request, model_paths) -> str:
+    return model_paths[request.param]
+
+
+@pytest.fixture(scope="session")
+def hf_model_cache():
+    return {}
+
+
+@pytest.fixture
+def hf_greedy(hf_model_cache):
+    """Greedy continuation by a plain transformers loop (full recompute each step, no cache)."""
+    from transformers import AutoModelForCausalLM
+
+    def run(path: str, prompt: list[int], num_tokens: int, banned: list[int] = ()) -> list[int]:
+        if path not in hf_model_cache:
+            hf_model_cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model = hf_model_cache[path]
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(num_tokens):
+                logits = model(torch.tensor([ids])).logits[0, -1]
+                logits[list(banned)] = float("-inf")
+                ids.append(int(logits.argmax()))
+        return ids[len(prompt):]
+
+    return run
+
+
+def mixed_prompts(vocab_size: int, lengths=(1, 3, 17, 40, 100, 7, 33, 64, 16, 2), seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
