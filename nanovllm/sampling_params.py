@@ -12,7 +12,7 @@ class SamplingParams:
     top_k: int = -1                    # -1 or 0: off
     top_p: float = 1.0                 # 1.0: off
     min_p: float = 0.0                 # 0: off
-    seed: int | None = None            # per-request generator, reproducible
+    seed: int | None = None            # per-request noise seed, reproducible
     max_tokens: int = 64
     min_tokens: int = 0
     ignore_eos: bool = False

@@ -61,8 +61,9 @@ def main():
     print("\nbatch | decode step ms (model+LM head+sampling) | GB/s of weights+KV | attention kernel ms (one layer) | its GB/s")
     for batch in (1, 64, 256):
         inputs = step_inputs(batch, args.context, block_size, False, vocab)
-        temperatures = torch.full((batch,), 0.6, device="cuda")
-        step_ms = median_ms(lambda: runner.sampler(runner.execute(inputs), SamplingTensors(temperatures)))
+        sampling = SamplingTensors(torch.full((batch,), 0.6, device="cuda"),
+                                   torch.randint(0, 2**62, (batch,), device="cuda"))
+        step_ms = median_ms(lambda: runner.sampler(runner.execute(inputs), sampling))
         step_bytes = weight_bytes + batch * args.context * kv_bytes_per_token
         layer = runner.attention_layers[0]
         q = torch.randn(batch, layer.num_heads, layer.head_dim, device="cuda", dtype=config.torch_dtype)

@@ -70,7 +70,7 @@ class BlockManager:
 
     def num_blocks_needed(self, seq: Sequence, num_tokens: int, cached_prefix: list[int] = ()) -> int:
         """Free blocks taken if seq's block table grows to cover num_tokens (reviving cached_prefix)."""
-        revived = sum(1 for b in cached_prefix if self.blocks[b].ref_count == 0)
+        revived = sum(1 for b in cached_prefix if self.blocks[b].ref_count == 0) if cached_prefix else 0
         covered = len(seq.block_table) + len(cached_prefix)
         return revived + max(0, -(-num_tokens // self.block_size) - covered)
 
@@ -79,7 +79,6 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_tokens: int, cached_prefix: list[int] = ()) -> None:
         """Attach cached_prefix to seq, then grow its block table to cover num_tokens tokens."""
-        assert self.can_allocate(seq, num_tokens, cached_prefix)
         for block_id in cached_prefix:
             block = self.blocks[block_id]
             if block.ref_count == 0:

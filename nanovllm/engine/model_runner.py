@@ -6,9 +6,11 @@ every sequence whose prompt is fully computed. It never decides what runs; the s
 import contextlib
 import os
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
+import xxhash
 
 from nanovllm.config import Config
 from nanovllm.engine.scheduler import ScheduledBatch
@@ -45,6 +47,14 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [b for b in (1, 2, 4, 8) if b < largest] + list(range(16, largest, 16)) + [largest]
 
 
+def padded_block_tables(tables: list[list[int]]) -> np.ndarray:
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    out = np.zeros((len(tables), lens.max()), dtype=np.int64)
+    out[np.arange(lens.max()) < lens[:, None]] = np.fromiter(chain.from_iterable(tables), dtype=np.int64,
+                                                             count=int(lens.sum()))
+    return out
+
+
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype):
     previous = torch.get_default_dtype()
@@ -72,6 +82,7 @@ class ModelRunner:
         load_model(self.model, config.model)
         self.model.eval()
         self.sampler = Sampler()
+        self.unseeded = np.random.default_rng()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend = choose_attention_backend(self.device)
         for attn in self.attention_layers:
@@ -143,8 +154,9 @@ class ModelRunner:
         # the largest decode batch's logits and sampling
         hidden = torch.zeros(config.max_num_seqs, config.hf_config.hidden_size, device=self.device)
         logits = self.model.compute_logits(hidden.to(config.torch_dtype))
-        temperatures = torch.ones(config.max_num_seqs, device=self.device)
-        self.sampler(logits, SamplingTensors(temperatures))
+        rows = config.max_num_seqs
+        self.sampler(logits, SamplingTensors(torch.ones(rows, device=self.device),
+                                             torch.zeros(rows, dtype=torch.int64, device=self.device)))
         torch.cuda.synchronize(self.device)
 
     # ---- one step ------------------------------------------------------------------------------
@@ -162,9 +174,7 @@ class ModelRunner:
         else:
             input_ids = np.array([seq.last_token_id for seq in seqs], dtype=np.int64)
             positions = context_lens - 1
-        width = max(len(seq.block_table) for seq in seqs)
-        block_tables = np.array([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs],
-                                dtype=np.int64)
+        block_tables = padded_block_tables([seq.block_table for seq in seqs])
         seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
         slot_mapping = (block_tables[seq_of_token, positions // self.block_size] * self.block_size
                         + positions % self.block_size)
@@ -236,28 +246,31 @@ class ModelRunner:
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingTensors:
         params = [seq.sampling_params for seq in seqs]
-        vocab_size = self.config.hf_config.vocab_size
-        tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=self.device)  # noqa: E731
-        temperatures = [p.temperature for p in params]
-        sampling = SamplingTensors(tensor(temperatures, torch.float32), all_greedy=not any(temperatures))
-        if any(p.top_k > 0 for p in params):
-            sampling.top_k = tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64)
-        if any(p.top_p < 1.0 for p in params):
-            sampling.top_p = tensor([p.top_p for p in params], torch.float32)
-        if any(p.min_p > 0.0 for p in params):
-            sampling.min_p = tensor([p.min_p for p in params], torch.float32)
-        sampling.generators = {row: self._generator(seq) for row, seq in enumerate(seqs)
-                               if seq.sampling_params.seed is not None}
+        n = len(seqs)
+        tensor = lambda values: torch.from_numpy(values).to(self.device, non_blocking=True)  # noqa: E731
+        temperatures = np.fromiter((p.temperature for p in params), dtype=np.float32, count=n)
+        all_greedy = not temperatures.any()
+        seeds = np.zeros(n, dtype=np.int64) if all_greedy else self.unseeded.integers(0, 2**63 - 1, n)
+        for row, p in enumerate(params):
+            if p.seed is not None:
+                # a seeded request's noise depends only on its seed and how many tokens it has made
+                seeds[row] = xxhash.xxh64_intdigest(f"{p.seed}/{seqs[row].num_completion_tokens}".encode()) >> 1
+        sampling = SamplingTensors(tensor(temperatures), tensor(seeds), all_greedy)
+        top_k = np.fromiter((p.top_k for p in params), dtype=np.int64, count=n)
+        if (top_k > 0).any():
+            sampling.top_k = tensor(np.where(top_k > 0, top_k, self.config.hf_config.vocab_size))
+        top_p = np.fromiter((p.top_p for p in params), dtype=np.float32, count=n)
+        if (top_p < 1).any():
+            sampling.top_p = tensor(top_p)
+        min_p = np.fromiter((p.min_p for p in params), dtype=np.float32, count=n)
+        if min_p.any():
+            sampling.min_p = tensor(min_p)
         sampling.banned_tokens = {row: self._banned_tokens(seq) for row, seq in enumerate(seqs)
-                                  if seq.num_completion_tokens < seq.sampling_params.min_tokens}
+                                  if seq.sampling_params.min_tokens and
+                                  seq.num_completion_tokens < seq.sampling_params.min_tokens}
         asked = [p.logprobs for p in params if p.logprobs is not None]
         sampling.max_logprobs = max(asked) if asked else None
         return sampling
-
-    def _generator(self, seq: Sequence) -> torch.Generator:
-        if seq.generator is None:
-            seq.generator = torch.Generator(self.device).manual_seed(seq.sampling_params.seed)
-        return seq.generator
 
     def _banned_tokens(self, seq: Sequence) -> list[int]:
         params = seq.sampling_params

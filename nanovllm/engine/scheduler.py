@@ -90,8 +90,8 @@ class Scheduler:
             seq = self.running[i]
             if seq.num_uncomputed_tokens > 1:          # a chunked prompt still waiting for blocks
                 i += 1
-            elif bm.can_allocate(seq, seq.num_tokens):
-                bm.allocate(seq, seq.num_tokens)
+            elif len(seq.block_table) * bm.block_size >= seq.num_tokens or bm.can_allocate(seq, seq.num_tokens):
+                bm.allocate(seq, seq.num_tokens)       # a new block once every block_size tokens
                 seqs.append(seq)
                 i += 1
             else:
@@ -109,10 +109,12 @@ class Scheduler:
                     logprobs: list[dict[int, float] | None] | None = None) -> list[Sequence]:
         """Record what the step computed; returns the sequences that received a token."""
         grown = []
+        block_size = self.block_manager.block_size
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             before = seq.num_computed_tokens
             seq.num_computed_tokens += n
-            self.block_manager.cache_computed_blocks(seq, before)
+            if before // block_size != seq.num_computed_tokens // block_size:
+                self.block_manager.cache_computed_blocks(seq, before)
             token_id = sampled[i]
             if token_id is None:                        # a prompt chunk that is not the last
                 continue
@@ -125,13 +127,12 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         params = seq.sampling_params
-        token_id = seq.last_token_id
-        if seq.num_completion_tokens >= params.min_tokens:
-            if token_id in params.stop_token_ids:
+        num_generated = seq.num_completion_tokens
+        if num_generated >= params.min_tokens:
+            token_id = seq.last_token_id
+            if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
                 return "stop"
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                return "stop"
-        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_generated >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 

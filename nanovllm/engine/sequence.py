@@ -29,7 +29,6 @@ class Sequence:
         self.finish_reason: str | None = None
         self.text: str | None = None      # set only when a stop string cut the output
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
-        self.generator = None             # torch.Generator of a seeded request, made by the model runner
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

@@ -128,8 +128,10 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                           num_splits: int = 1) -> torch.Tensor:
-    """q: [num_seqs, num_heads, head_dim], one new token per sequence (already in the cache)."""
+                           num_splits: int = 1, tile_tokens: int = 64, num_warps: int = 4,
+                           num_stages: int = 2) -> torch.Tensor:
+    """q: [num_seqs, num_heads, head_dim], one new token per sequence (already in the cache).
+    tile_tokens, num_warps and num_stages are tuning knobs (scripts/step_timing.py sweeps them)."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -145,8 +147,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=min(64, block_size),
-        NUM_SPLITS=num_splits, PRECISION=_dot_precision(q.dtype), num_warps=4)
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=min(tile_tokens, block_size),
+        NUM_SPLITS=num_splits, PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),

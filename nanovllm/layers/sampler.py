@@ -1,25 +1,28 @@
 """Turns one row of logits per sequence into the next token, on the device that holds the logits.
 
 Filters apply in the order temperature, min_p, top_k, top_p, each on what the previous one left.
-Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws index i with
-probability p_i, so one argmax replaces a cumulative search, and a seeded request draws its
-noise from its own generator (same seed, same tokens, whatever else is in the batch).
+Without filters a row is sampled straight from its logits by one Gumbel-max pass
+(kernels/sampling.py); with filters the kept probabilities are computed first and sampled the
+same way. Each row's noise comes from its own seed, so a seeded request gets the same tokens
+whatever else is in the batch.
 """
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from nanovllm.kernels.sampling import gumbel_argmax, gumbel_argmax_ref
+
 
 @dataclass(slots=True)
 class SamplingTensors:
     temperatures: torch.Tensor            # [n] float32; 0 = greedy
+    seeds: torch.Tensor                   # [n] int64 noise seed of each row for this step
     all_greedy: bool = False              # skip the sampling work altogether
     top_k: torch.Tensor | None = None     # [n] int64, vocab size where off; None when off for all
     top_p: torch.Tensor | None = None     # [n] float32, 1 where off
     min_p: torch.Tensor | None = None     # [n] float32, 0 where off
-    generators: dict[int, torch.Generator] | None = None   # row -> generator of a seeded request
-    banned_tokens: dict[int, list[int]] | None = None      # row -> ids not allowed yet (min_tokens)
+    banned_tokens: dict[int, list[int]] | None = None   # row -> ids not allowed yet (min_tokens)
     max_logprobs: int | None = None       # top alternatives to report; None: no logprobs asked
 
 
@@ -34,10 +37,9 @@ class SamplerOutput:
 class Sampler(nn.Module):
     @torch.no_grad()
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
-        logits = logits.float()
         out = SamplerOutput(self._sample(self._ban(logits, params), params))
         if params.max_logprobs is not None:
-            logprobs = torch.log_softmax(logits, dim=-1)
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
             out.logprobs = logprobs.gather(1, out.token_ids.unsqueeze(1)).squeeze(1)
             out.top_logprobs, out.top_token_ids = logprobs.topk(params.max_logprobs, dim=-1)
         return out
@@ -51,18 +53,20 @@ class Sampler(nn.Module):
             logits[row, token_ids] = float("-inf")
         return logits
 
-    def _sample(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    @staticmethod
+    def _sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         if params.all_greedy:
             return logits.argmax(dim=-1)
-        temperatures = params.temperatures
-        greedy = temperatures == 0
-        probs = torch.softmax(logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1), dim=-1)
-        probs = filter_probs(probs, params.min_p, params.top_k, params.top_p)
-        noise = torch.empty_like(probs).exponential_()
-        for row, generator in (params.generators or {}).items():
-            noise[row].exponential_(generator=generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        scores, temperatures = logits, params.temperatures
+        if params.min_p is not None or params.top_k is not None or params.top_p is not None:
+            greedy = (temperatures == 0).unsqueeze(1)
+            probs = torch.softmax(logits.float() / torch.where(greedy, 1.0, temperatures.unsqueeze(1)), dim=-1)
+            kept = filter_probs(probs, params.min_p, params.top_k, params.top_p)
+            scores = torch.where(greedy, logits.float(), kept.log())
+            temperatures = torch.where(greedy.squeeze(1), 0.0, 1.0)   # already applied to the kept probs
+        if scores.is_cuda:
+            return gumbel_argmax(scores, temperatures, params.seeds)
+        return gumbel_argmax_ref(scores, temperatures, params.seeds.tolist())
 
 
 def filter_probs(probs: torch.Tensor, min_p: torch.Tensor | None, top_k: torch.Tensor | None,
