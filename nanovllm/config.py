@@ -57,6 +57,8 @@ class Config:
         check_int("tensor_parallel_size", tp, 1)
         if self.device == "cuda" and tp > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} CUDA devices are visible")
+        if self.device == "cpu" and tp > (os.cpu_count() or 1):
+            raise ValueError(f"tensor_parallel_size={tp} but this machine has only {os.cpu_count()} CPU cores")
         heads, kv_heads = self.hf_config.num_attention_heads, self.hf_config.num_key_value_heads
         if heads % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={heads}")

@@ -30,6 +30,18 @@ class LLMEngine:
               f"({str(config.torch_dtype).removeprefix('torch.')}), KV cache {self.model_runner.num_kvcache_blocks} "
               f"blocks x {config.kvcache_block_size} tokens = {capacity} tokens")
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers and free device memory; the engine cannot be used after."""
+        if self.model_runner is not None:
+            self.model_runner.close()
+            self.model_runner = None
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     # ---- requests ------------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
@@ -70,6 +82,8 @@ class LLMEngine:
 
     def step(self) -> list[dict]:
         """Run one scheduled step; returns the outputs of the requests it finished."""
+        if self.model_runner is None:
+            raise RuntimeError("this engine has been shut down; create a new LLM")
         batch = self.scheduler.schedule()
         tokens, logprobs = self.model_runner.run(batch)
         grown = self.scheduler.postprocess(batch, tokens, logprobs)

@@ -4,12 +4,20 @@ It turns a ScheduledBatch into flat arrays (StepInputs), runs the model, and sam
 every sequence whose prompt is fully computed. It never decides what runs; the scheduler does.
 """
 import contextlib
+import multiprocessing as mp
 import os
+import socket
+import time
+import traceback
+import weakref
 from dataclasses import dataclass
+from datetime import timedelta
 from itertools import chain
+from multiprocessing.connection import Connection
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import xxhash
 
 from nanovllm.config import Config
@@ -66,9 +74,14 @@ def default_dtype(dtype: torch.dtype):
 
 
 class ModelRunner:
-    def __init__(self, config: Config, rank: int = 0):
+    """One rank's runner. Rank 0 (in the engine's process) starts the other ranks as worker
+    processes and sends them every step's StepInputs; they only run the model."""
+
+    def __init__(self, config: Config, rank: int = 0, init_method: str | None = None,
+                 conn: Connection | None = None):
         self.config = config
         self.rank = rank
+        self.world_size = config.tensor_parallel_size
         self.block_size = config.kvcache_block_size
         self.max_blocks_per_seq = config.min_kvcache_blocks
         if config.device == "cuda":
@@ -76,11 +89,24 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
+        self.workers: list[Worker] = []
+        if self.world_size > 1:
+            if rank == 0:
+                init_method, self.workers = start_workers(config)
+                self._stop_workers = weakref.finalize(self, stop_workers, self.workers)
+            if not self.is_cuda:   # ranks share the cores
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+            dist.init_process_group("nccl" if self.is_cuda else "gloo", init_method=init_method,
+                                    world_size=self.world_size, rank=rank, timeout=timedelta(minutes=10))
         hf_config = config.hf_config
         with torch.device(self.device), default_dtype(config.torch_dtype):
             self.model = Qwen3ForCausalLM(hf_config)
         load_model(self.model, config.model)
         self.model.eval()
+        if conn is not None:
+            conn.send(LOADED)
+        for worker in self.workers:     # before the first collective, which would hang on a dead rank
+            worker.expect(LOADED)
         self.sampler = Sampler()
         self.unseeded = np.random.default_rng()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -108,6 +134,15 @@ class ModelRunner:
         num_blocks = self.config.num_kvcache_blocks
         if num_blocks == -1:
             num_blocks = self._blocks_that_fit()
+            if self.world_size > 1:        # one block manager serves every rank
+                fewest = torch.tensor([num_blocks], device=self.device)
+                dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
+                num_blocks = int(fewest.item())
+            if num_blocks < self.config.min_kvcache_blocks:
+                raise ValueError(
+                    f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves room for "
+                    f"{max(num_blocks, 0)} KV blocks, fewer than the {self.config.min_kvcache_blocks} "
+                    f"one sequence of max_model_len needs")
         layer = self.attention_layers[0]
         self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size,
                                     layer.num_kv_heads, layer.head_dim, dtype=self.config.torch_dtype,
@@ -119,7 +154,7 @@ class ModelRunner:
     def _blocks_that_fit(self) -> int:
         config = self.config
         if not self.is_cuda:
-            budget = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * CPU_KV_CACHE_SHARE
+            budget = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * CPU_KV_CACHE_SHARE / self.world_size
             wanted = config.max_num_seqs * self.max_blocks_per_seq
             return max(config.min_kvcache_blocks, min(wanted, int(budget // self._kv_block_bytes())))
         # Run the largest step without a cache, then give what is left to KV blocks.
@@ -130,12 +165,7 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         not_torch = total - free - torch.cuda.memory_reserved(self.device)
         available = total * config.gpu_memory_utilization - not_torch - peak
-        num_blocks = int(available // self._kv_block_bytes())
-        if num_blocks < config.min_kvcache_blocks:
-            raise ValueError(
-                f"gpu_memory_utilization={config.gpu_memory_utilization} leaves room for {max(num_blocks, 0)} KV "
-                f"blocks, fewer than the {config.min_kvcache_blocks} one sequence of max_model_len needs")
-        return num_blocks
+        return int(available // self._kv_block_bytes())
 
     @torch.inference_mode()
     def _warmup(self) -> None:
@@ -155,8 +185,9 @@ class ModelRunner:
         hidden = torch.zeros(config.max_num_seqs, config.hf_config.hidden_size, device=self.device)
         logits = self.model.compute_logits(hidden.to(config.torch_dtype))
         rows = config.max_num_seqs
-        self.sampler(logits, SamplingTensors(torch.ones(rows, device=self.device),
-                                             torch.zeros(rows, dtype=torch.int64, device=self.device)))
+        if self.rank == 0:
+                self.sampler(logits, SamplingTensors(torch.ones(rows, device=self.device),
+                                                 torch.zeros(rows, dtype=torch.int64, device=self.device)))
         torch.cuda.synchronize(self.device)
 
     # ---- one step ------------------------------------------------------------------------------
@@ -187,7 +218,15 @@ class ModelRunner:
         """Compute one scheduled step; returns the sampled token of each sequence (None for a
         prompt chunk that is not the last) and, where asked for, its logprobs."""
         inputs = self.prepare_step(batch)
-        logits = self.execute(inputs)
+        for worker in self.workers:
+            worker.send(inputs)
+        try:
+            logits = self.execute(inputs)
+        except RuntimeError:
+            for worker in self.workers:   # a collective failing because a rank died says so
+                worker.process.join(timeout=1)
+                worker.check_alive()
+            raise
         sampled_seqs = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens)
                         if seq.num_computed_tokens + n == seq.num_tokens]
         tokens: list[int | None] = [None] * len(batch.seqs)
@@ -195,6 +234,7 @@ class ModelRunner:
         if not sampled_seqs:
             return tokens, logprobs
         out = self.sampler(logits, self.prepare_sampling(sampled_seqs))
+        self._wait_for_device()
         row_of_seq = {id(seq): row for row, seq in enumerate(sampled_seqs)}
         token_ids = out.token_ids.tolist()
         seq_logprobs = self._logprobs_by_row(out, sampled_seqs)
@@ -229,6 +269,38 @@ class ModelRunner:
         if len(rows) != num_tokens:
             hidden = hidden[torch.from_numpy(rows).to(self.device, non_blocking=True)]
         return self.model.compute_logits(hidden)
+
+    def _wait_for_device(self) -> None:
+        """With workers on GPUs, a dead rank would leave this step hanging in NCCL: wait by polling."""
+        if not self.workers or not self.is_cuda:
+            return
+        done = torch.cuda.Event()
+        done.record()
+        while not done.query():
+            for worker in self.workers:
+                worker.check_alive()
+            time.sleep(0.0001)
+
+    def close(self) -> None:
+        """Stop the workers (rank 0), leave the process group and free this rank's device memory."""
+        if self.workers:
+            self._stop_workers()
+        clean = all(worker.process.exitcode == 0 for worker in self.workers)
+        set_context(None)
+        self.graphs.clear()
+        self.model = self.kv_cache = self.graph_inputs = self.graph_outputs = None
+        for attn in self.attention_layers:
+            attn.k_cache = attn.v_cache = torch.empty(0)
+        if dist.is_initialized():
+            if clean:
+                dist.destroy_process_group()
+            else:   # a rank died: do not wait for it (a plain destroy can hang on NCCL)
+                try:
+                    dist.distributed_c10d._abort_process_group()
+                except (AttributeError, RuntimeError):
+                    dist.destroy_process_group()
+        if self.is_cuda:
+            torch.cuda.empty_cache()
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """One host-to-device copy for all of a step's int arrays."""
@@ -346,3 +418,79 @@ class ModelRunner:
         self.graph_inputs.copy_(self.graph_inputs_host, non_blocking=True)
         self.graphs[size].replay()
         return self.graph_outputs[:n]
+
+
+# ---- tensor-parallel workers ----------------------------------------------------------------------
+
+LOADED = "loaded"
+
+
+@dataclass
+class Worker:
+    """Rank 0's handle on a worker process and the pipe that carries its steps."""
+    rank: int
+    process: mp.Process
+    conn: Connection
+
+    def check_alive(self) -> None:
+        if not self.process.is_alive():
+            raise RuntimeError(f"tensor-parallel worker {self.rank} died (exit code {self.process.exitcode}); "
+                               "this engine cannot continue, shut it down and start a new one")
+
+    def send(self, inputs: StepInputs) -> None:
+        self.check_alive()
+        self.conn.send(inputs)
+
+    def expect(self, message: str) -> None:
+        while not self.conn.poll(0.05):
+            self.check_alive()
+        received = self.conn.recv()
+        if received != message:
+            raise RuntimeError(f"tensor-parallel worker {self.rank} failed to start:\n{received}")
+
+
+def start_workers(config: Config) -> tuple[str, list[Worker]]:
+    with socket.socket() as s:           # a free port for the process group's rendezvous
+        s.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    context = mp.get_context("spawn")
+    workers = []
+    for rank in range(1, config.tensor_parallel_size):
+        parent_end, child_end = context.Pipe()
+        process = context.Process(target=worker_main, args=(config, rank, init_method, child_end),
+                                  name=f"nanovllm-tp-rank{rank}", daemon=True)
+        process.start()
+        child_end.close()
+        workers.append(Worker(rank, process, parent_end))
+    return init_method, workers
+
+
+def stop_workers(workers: list[Worker]) -> None:
+    for worker in workers:
+        if worker.process.is_alive():
+            try:
+                worker.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+    for worker in workers:
+        worker.process.join(timeout=30)
+        if worker.process.is_alive():
+            worker.process.kill()
+            worker.process.join()
+        worker.conn.close()
+
+
+def worker_main(config: Config, rank: int, init_method: str, conn: Connection) -> None:
+    """A worker rank: build the same model shard, then run every step rank 0 sends until told to stop."""
+    try:
+        runner = ModelRunner(config, rank, init_method, conn)
+    except BaseException:
+        conn.send(traceback.format_exc())
+        return
+    try:
+        while (inputs := conn.recv()) is not None:
+            runner.execute(inputs)
+    except EOFError:                      # rank 0's process is gone
+        pass
+    finally:
+        runner.close()

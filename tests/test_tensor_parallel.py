@@ -1,0 +1,86 @@
+"""Tensor parallelism over CPU processes (gloo): the same tokens as one process, and clean failure
+and shutdown. On a machine with 2+ GPUs the same tests run over NCCL (device="auto")."""
+import multiprocessing as mp
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.random_checkpoint import write_tiny_model
+from tests.conftest import mixed_prompts
+
+pytestmark = pytest.mark.skipif(
+    (torch.cuda.device_count() if torch.cuda.is_available() else os.cpu_count() or 1) < 2,
+    reason="needs 2 devices (GPUs, or CPU cores when there is no GPU)")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def run_both(path, prompts, params, **engine_args):
+    """Token ids of two identical generate calls (the second hits the prefix cache)."""
+    with LLM(path, kvcache_block_size=16, **engine_args) as llm:
+        first = llm.generate(prompts, params, use_tqdm=False)
+        second = llm.generate(prompts, params, use_tqdm=False)
+    assert all(o["num_cached_tokens"] > 0 for o, p in zip(second, prompts) if len(p) > 16)
+    return [o["token_ids"] for o in first], [o["token_ids"] for o in second]
+
+
+@pytest.mark.parametrize("engine_args", [dict(), dict(max_num_batched_tokens=32, max_num_seqs=4)],
+                         ids=["whole-prompts", "chunked-prefill"])
+def test_two_ranks_give_the_same_tokens_as_one(model_path, hf_greedy, engine_args):
+    shared = mixed_prompts(500, lengths=(40,), seed=7)[0]
+    prompts = mixed_prompts(500, lengths=(1, 17, 70, 5)) + [shared + [7, 8], shared + [9] * 20]
+    one = run_both(model_path, prompts, GREEDY, **engine_args)
+    two = run_both(model_path, prompts, GREEDY, tensor_parallel_size=2, **engine_args)
+    assert one == two
+    assert one[0] == [hf_greedy(model_path, p, 16) for p in prompts]
+
+
+def test_kv_head_replicated_when_fewer_kv_heads_than_ranks(tmp_path, hf_greedy):
+    path = write_tiny_model(str(tmp_path), seed=3, num_attention_heads=4, num_key_value_heads=1)
+    prompts = mixed_prompts(500, lengths=(3, 30, 12))
+    with LLM(path, kvcache_block_size=16, tensor_parallel_size=2) as llm:
+        assert llm.model_runner.kv_cache.shape[-2] == 1     # each rank keeps the one KV head
+        out = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert out == [hf_greedy(path, p, 16) for p in prompts]
+
+
+def test_dead_worker_fails_fast_and_shutdown_leaves_no_processes(model_paths):
+    llm = LLM(model_paths["gqa_tied"], kvcache_block_size=16, tensor_parallel_size=2)
+    worker = llm.model_runner.workers[0].process
+    long_run = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    threading.Timer(1.0, worker.kill).start()          # dies in the middle of generate
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="tensor-parallel worker 1 died"):
+        llm.generate([[5] * 50] * 8, long_run, use_tqdm=False)
+    assert time.monotonic() - start < 15
+    with pytest.raises(RuntimeError, match="worker 1 died"):   # and again at once on the next call
+        llm.generate([[5, 6]], GREEDY, use_tqdm=False)
+    llm.shutdown()
+    assert not mp.active_children()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[5, 6]], GREEDY, use_tqdm=False)
+
+
+def test_second_engine_after_shutdown(model_paths, hf_greedy):
+    path = model_paths["gqa_tied"]
+    prompt = mixed_prompts(500, lengths=(20,))[0]
+    for _ in range(2):
+        with LLM(path, kvcache_block_size=16, tensor_parallel_size=2) as llm:
+            pids = [w.process.pid for w in llm.model_runner.workers]
+            assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(path, prompt, 16)
+        assert not mp.active_children()
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+
+
+def test_tensor_parallel_size_is_checked(model_paths):
+    path = model_paths["gqa_tied"]          # 4 attention heads, 2 KV heads
+    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+        LLM(path, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size=1024"):
+        LLM(path, tensor_parallel_size=1024)
