@@ -13,10 +13,11 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.random_checkpoint import cached_random_checkpoint
 
-KERNEL_GROUPS = [("attention", ("_decode_kernel", "_combine_splits", "_prefill_kernel", "flash", "attention")),
+KERNEL_GROUPS = [("attention", ("_decode_kernel", "_combine_splits", "_prefill_kernel", "flash", "attention",
+                                 "fmha", "cutlass::fmha")),
                  ("kv store", ("_store_kvcache",)), ("rms norm", ("_rms_norm",)), ("rotary", ("_rotary",)),
                  ("silu*mul", ("_silu_and_mul",)), ("GEMM", ("gemm", "cutlass", "sm90", "nvjet", "cublas")),
-                 ("sampler", ("softmax", "exponential", "argmax", "reduce", "div", "where", "distribution"))]
+                 ("sampler", ("_gumbel_argmax", "softmax", "argmax", "gather"))]
 
 
 def main():
@@ -76,21 +77,24 @@ def main():
         print(f"{kind:8s}: {counts[kind]:5d} steps, wall {step:6.2f} s, GPU busy {gpu:6.2f} s, "
               f"host outside model_runner.run {step - run:5.2f} s, host inside run {run - gpu:5.2f} s (approx.)")
 
-    # kernel breakdown of decode steps in the middle of a fresh run
+    # kernel breakdowns from a fresh run: its first prefill steps, then decode steps in the middle
     runner.run, runner.execute, llm.step = original_run, original_execute, original_step
     for prompt, p in zip(prompts, params):
         llm.add_request(prompt, p)
-    steps = 0
-    while not llm.is_finished() and steps < 300:
+    kernel_breakdown(llm, "prefill", 3)
+    for _ in range(300):
         llm.step()
-        steps += 1
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.profile_steps):
-            llm.step()
-        torch.cuda.synchronize()
+    kernel_breakdown(llm, "decode", args.profile_steps, table=True)
     while not llm.is_finished():
         llm.step()
+
+
+def kernel_breakdown(llm, label: str, steps: int, table: bool = False) -> None:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            llm.step()
+        torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in events)
     groups = defaultdict(float)
@@ -98,12 +102,11 @@ def main():
         name = e.key.lower()
         group = next((g for g, keys in KERNEL_GROUPS if any(k.lower() in name for k in keys)), "other")
         groups[group] += e.self_device_time_total
-    print(f"\ndecode window: {args.profile_steps} steps, GPU kernel time {total / 1e3:.1f} ms "
-          f"({total / 1e3 / args.profile_steps:.2f} ms/step)")
+    print(f"\n{label} window: {steps} steps, GPU kernel time {total / 1e3:.1f} ms ({total / 1e3 / steps:.2f} ms/step)")
     for group, us in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"  {group:10s} {us / 1e3:8.2f} ms  {100 * us / total:5.1f}%")
-    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20))
-
+    if table:
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20))
 
 if __name__ == "__main__":
     main()

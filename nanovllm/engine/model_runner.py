@@ -194,23 +194,27 @@ class ModelRunner:
 
     def prepare_step(self, batch: ScheduledBatch) -> StepInputs:
         seqs = batch.seqs
+        size = self.block_size
+        block_tables = padded_block_tables([seq.block_table for seq in seqs])
+        if not batch.is_prefill:     # one token per sequence, its last; every sequence samples
+            lens_and_tokens = np.array([(len(seq.token_ids), seq.token_ids[-1]) for seq in seqs], dtype=np.int64)
+            context_lens, input_ids = lens_and_tokens[:, 0], lens_and_tokens[:, 1]
+            positions = context_lens - 1
+            slot_mapping = block_tables[np.arange(len(seqs)), positions // size] * size + positions % size
+            cu_seqlens_q = np.arange(len(seqs) + 1)
+            return StepInputs(False, input_ids, positions, slot_mapping, context_lens, cu_seqlens_q, block_tables,
+                              cu_seqlens_q[:-1])
         q_lens = np.array(batch.num_new_tokens, dtype=np.int64)
         starts = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)
         context_lens = starts + q_lens
         cu_seqlens_q = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu_seqlens_q[1:])
-        if batch.is_prefill:
-            input_ids = np.concatenate([seq.token_ids[a:a + n] for seq, a, n in zip(seqs, starts, q_lens)])
-            positions = np.arange(cu_seqlens_q[-1]) - np.repeat(cu_seqlens_q[:-1] - starts, q_lens)
-        else:
-            input_ids = np.array([seq.last_token_id for seq in seqs], dtype=np.int64)
-            positions = context_lens - 1
-        block_tables = padded_block_tables([seq.block_table for seq in seqs])
+        input_ids = np.concatenate([seq.token_ids[a:a + n] for seq, a, n in zip(seqs, starts, q_lens)])
+        positions = np.arange(cu_seqlens_q[-1]) - np.repeat(cu_seqlens_q[:-1] - starts, q_lens)
         seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
-        slot_mapping = (block_tables[seq_of_token, positions // self.block_size] * self.block_size
-                        + positions % self.block_size)
+        slot_mapping = block_tables[seq_of_token, positions // size] * size + positions % size
         completes_prompt = context_lens == np.array([seq.num_tokens for seq in seqs])
-        return StepInputs(batch.is_prefill, input_ids.astype(np.int64), positions, slot_mapping, context_lens,
+        return StepInputs(True, input_ids.astype(np.int64), positions, slot_mapping, context_lens,
                           cu_seqlens_q, block_tables, cu_seqlens_q[1:][completes_prompt] - 1)
 
     @torch.inference_mode()
@@ -227,21 +231,20 @@ class ModelRunner:
                 worker.process.join(timeout=1)
                 worker.check_alive()
             raise
-        sampled_seqs = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens)
-                        if seq.num_computed_tokens + n == seq.num_tokens]
-        tokens: list[int | None] = [None] * len(batch.seqs)
-        logprobs: list[dict[int, float] | None] = [None] * len(batch.seqs)
+        sampled_seqs = batch.seqs if not batch.is_prefill else [
+            seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens + n == seq.num_tokens]
         if not sampled_seqs:
-            return tokens, logprobs
+            return [None] * len(batch.seqs), [None] * len(batch.seqs)
         out = self.sampler(logits, self.prepare_sampling(sampled_seqs))
         self._wait_for_device()
-        row_of_seq = {id(seq): row for row, seq in enumerate(sampled_seqs)}
         token_ids = out.token_ids.tolist()
         seq_logprobs = self._logprobs_by_row(out, sampled_seqs)
-        for i, seq in enumerate(batch.seqs):
-            row = row_of_seq.get(id(seq))
-            if row is not None:
-                tokens[i], logprobs[i] = token_ids[row], seq_logprobs[row]
+        if len(sampled_seqs) == len(batch.seqs):
+            return token_ids, seq_logprobs
+        row_of_seq = {id(seq): row for row, seq in enumerate(sampled_seqs)}
+        rows = [row_of_seq.get(id(seq)) for seq in batch.seqs]
+        tokens = [None if row is None else token_ids[row] for row in rows]
+        logprobs = [None if row is None else seq_logprobs[row] for row in rows]
         return tokens, logprobs
 
     @torch.inference_mode()
@@ -318,30 +321,32 @@ class ModelRunner:
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingTensors:
         params = [seq.sampling_params for seq in seqs]
-        n = len(seqs)
-        tensor = lambda values: torch.from_numpy(values).to(self.device, non_blocking=True)  # noqa: E731
-        temperatures = np.fromiter((p.temperature for p in params), dtype=np.float32, count=n)
+        values = np.array([(p.temperature, p.top_k, p.top_p, p.min_p) for p in params], dtype=np.float64)
+        temperatures, top_k, top_p, min_p = values.T
         all_greedy = not temperatures.any()
-        seeds = np.zeros(n, dtype=np.int64) if all_greedy else self.unseeded.integers(0, 2**63 - 1, n)
-        for row, p in enumerate(params):
-            if p.seed is not None:
+        seeds = np.zeros(len(seqs), dtype=np.int64) if all_greedy else self.unseeded.integers(0, 2**63 - 1, len(seqs))
+        banned, asked = {}, []
+        for row, p in enumerate(params):   # most rows ask for none of these; skip them cheaply
+            if p.seed is None and not p.min_tokens and p.logprobs is None:
+                continue
+            num_generated = seqs[row].num_completion_tokens
+            if p.seed is not None and not all_greedy:
                 # a seeded request's noise depends only on its seed and how many tokens it has made
-                seeds[row] = xxhash.xxh64_intdigest(f"{p.seed}/{seqs[row].num_completion_tokens}".encode()) >> 1
-        sampling = SamplingTensors(tensor(temperatures), tensor(seeds), all_greedy)
-        top_k = np.fromiter((p.top_k for p in params), dtype=np.int64, count=n)
+                seeds[row] = xxhash.xxh64_intdigest(f"{p.seed}/{num_generated}".encode()) >> 1
+            if num_generated < p.min_tokens:
+                banned[row] = self._banned_tokens(seqs[row])
+            if p.logprobs is not None:
+                asked.append(p.logprobs)
+        tensor = lambda values: torch.from_numpy(values).to(self.device, non_blocking=True)  # noqa: E731
+        sampling = SamplingTensors(tensor(temperatures.astype(np.float32)), tensor(seeds), all_greedy,
+                                   banned_tokens=banned, max_logprobs=max(asked) if asked else None)
         if (top_k > 0).any():
-            sampling.top_k = tensor(np.where(top_k > 0, top_k, self.config.hf_config.vocab_size))
-        top_p = np.fromiter((p.top_p for p in params), dtype=np.float32, count=n)
+            vocab_size = self.config.hf_config.vocab_size
+            sampling.top_k = tensor(np.where(top_k > 0, top_k, vocab_size).astype(np.int64))
         if (top_p < 1).any():
-            sampling.top_p = tensor(top_p)
-        min_p = np.fromiter((p.min_p for p in params), dtype=np.float32, count=n)
+            sampling.top_p = tensor(top_p.astype(np.float32))
         if min_p.any():
-            sampling.min_p = tensor(min_p)
-        sampling.banned_tokens = {row: self._banned_tokens(seq) for row, seq in enumerate(seqs)
-                                  if seq.sampling_params.min_tokens and
-                                  seq.num_completion_tokens < seq.sampling_params.min_tokens}
-        asked = [p.logprobs for p in params if p.logprobs is not None]
-        sampling.max_logprobs = max(asked) if asked else None
+            sampling.min_p = tensor(min_p.astype(np.float32))
         return sampling
 
     def _banned_tokens(self, seq: Sequence) -> list[int]:

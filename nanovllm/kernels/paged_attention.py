@@ -122,13 +122,14 @@ def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_out_seq, 
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Context splits per sequence so that a decode step launches about two programs per SM."""
-    return max(1, min(16, -(-2 * num_sms // (num_seqs * num_kv_heads))))
+    """Context splits per sequence so that a decode step launches about four programs per SM
+    (H100 sweep, scripts/tune_decode_attention.py: splits pay only below ~32 sequences)."""
+    return max(1, min(16, -(-4 * num_sms // (num_seqs * num_kv_heads))))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                           num_splits: int = 1, tile_tokens: int = 64, num_warps: int = 4,
+                           num_splits: int = 1, tile_tokens: int = 128, num_warps: int = 4,
                            num_stages: int = 2) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim], one new token per sequence (already in the cache).
     tile_tokens, num_warps and num_stages are tuning knobs (scripts/step_timing.py sweeps them)."""
