@@ -7,6 +7,10 @@ import random
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton kernels run in its interpreter on the CPU; the flag is read when kernels are defined
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from nanovllm.utils.random_checkpoint import write_tiny_model
 
 # Two shapes: grouped-query attention with tied embeddings (sharded, old-style config.json), and

@@ -84,5 +84,6 @@ def filter_probs(probs: torch.Tensor, min_p: torch.Tensor | None, top_k: torch.T
         mass = sorted_probs.cumsum(dim=-1)
         mass_before = (mass - sorted_probs) / mass[:, -1:]
         # keep the smallest prefix whose mass reaches top_p, including the token that crosses it
-        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
+        # (rows with top_p = 1 are exempt: float32 rounding would drop their far tail)
+        sorted_probs = sorted_probs.masked_fill((mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1), 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)

@@ -77,7 +77,7 @@ def write_random_checkpoint(path: str, config: Qwen3Config, seed: int = 0, dtype
     generator = torch.Generator(device).manual_seed(seed)
     shards, shard, shard_bytes = [], {}, 0
     for name, shape in shapes.items():
-        tensor = _random_weight(name, shape, generator, device).to(dtype).cpu()
+        tensor = _random_weight(name, shape, generator, device, config.num_hidden_layers).to(dtype).cpu()
         if shard and shard_bytes + tensor.nbytes > max_shard_bytes:
             shards.append(shard)
             shard, shard_bytes = {}, 0
@@ -96,16 +96,21 @@ def write_random_checkpoint(path: str, config: Qwen3Config, seed: int = 0, dtype
         json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
 
 
-def _random_weight(name: str, shape: torch.Size, generator: torch.Generator, device: str) -> torch.Tensor:
+def _random_weight(name: str, shape: torch.Size, generator: torch.Generator, device: str,
+                   num_layers: int) -> torch.Tensor:
     # Sharp attention (large q/k norm weights) and layer outputs that dominate the residual keep a
     # random model from settling into repeating one token, which would make greedy tests weak.
+    # Deep models (the benchmark shapes) stay tame instead: sharp attention over many layers turns
+    # chaotic, and bf16 rounding alone then flips their logits (relative error ~1 against float32).
+    shallow = num_layers <= 4
     if name.endswith("norm.weight"):
         w = torch.rand(shape, generator=generator, device=device) + 0.5          # in [0.5, 1.5)
-        return w * 2.5 if "q_norm" in name or "k_norm" in name else w
+        return w * 2.5 if shallow and ("q_norm" in name or "k_norm" in name) else w
     w = torch.randn(shape, generator=generator, device=device)
     if "embed_tokens" in name:
         return w * 0.3
-    gain = 3.0 if "o_proj" in name or "down_proj" in name else 2.0 if "lm_head" in name else 1.0
+    residual_gain = 3.0 / max(1.0, num_layers / 2) ** 0.5
+    gain = residual_gain if "o_proj" in name or "down_proj" in name else 2.0 if "lm_head" in name else 1.0
     return w * gain / shape[-1] ** 0.5
 
 
