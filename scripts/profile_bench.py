@@ -1,5 +1,5 @@
-"""Where bench.py's time goes: wall, GPU-busy and host-only time of prefill and decode steps over
-the whole workload, then a kernel breakdown of a window of decode steps (torch profiler).
+"""Where bench.py's time goes: GPU-busy time of prefill and decode steps over the whole workload
+and the time the GPU sat idle waiting for the host, then a kernel breakdown of a window of decode steps (torch profiler).
 
     PYTHONPATH=. python scripts/profile_bench.py --config configs/qwen3-0.6b.json
 """
@@ -32,53 +32,47 @@ def main():
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, 1024)) for _ in prompts]
     llm.generate(["warm-up"], SamplingParams(), use_tqdm=False)
 
+    # Events around every launched step, on one clock: a step's GPU time runs from when the device
+    # reaches it (its start, or the previous step's end if later) to its end; a start after the
+    # previous end is time the device sat idle waiting for the host.
     runner = llm.model_runner
-    totals = defaultdict(float)
-    counts = defaultdict(int)
-    original_run, original_execute = runner.run, runner.execute
-    gpu_start = {}
+    original_launch, original_execute = runner.launch, runner.execute
+    marks, started = [], {}
 
-    def timed_execute(inputs):
-        gpu_start["event"] = torch.cuda.Event(enable_timing=True)
-        gpu_start["event"].record()         # inputs are built on the host before this
+    def timed_execute(inputs):              # the step's inputs are built on the host before this
+        started["event"] = torch.cuda.Event(enable_timing=True)
+        started["event"].record()
         return original_execute(inputs)
 
-    def timed_run(batch):
-        kind = "prefill" if batch.is_prefill else "decode"
+    def timed_launch(batch):
+        step = original_launch(batch)
         end = torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        out = original_run(batch)           # ends with .tolist(): the GPU work is done
         end.record()
-        end.synchronize()
-        totals[kind + " run wall"] += time.perf_counter() - t0
-        totals[kind + " GPU"] += gpu_start["event"].elapsed_time(end) / 1e3
-        return out
+        marks.append(("prefill" if batch.is_prefill else "decode", started["event"], end))
+        return step
 
-    runner.execute = timed_execute
-    runner.run = timed_run
-    original_step = llm.step
-
-    def timed_step():
-        t0 = time.perf_counter()
-        out = original_step()
-        kind = "prefill" if llm.num_prefill_tokens else "decode"
-        totals[kind + " step wall"] += time.perf_counter() - t0
-        counts[kind] += 1
-        return out
-
-    llm.step = timed_step
+    runner.launch, runner.execute = timed_launch, timed_execute
+    origin = torch.cuda.Event(enable_timing=True)
+    origin.record()
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    runner.launch, runner.execute = original_launch, original_execute
     tokens = sum(len(o["token_ids"]) for o in outputs)
     print(f"workload: {tokens} output tokens in {wall:.2f} s = {tokens / wall:,.0f} tok/s")
+    totals, counts, previous_end = defaultdict(float), defaultdict(int), 0.0
+    for kind, start, end in marks:
+        start_ms, end_ms = origin.elapsed_time(start), origin.elapsed_time(end)
+        totals[kind + " idle"] += max(0.0, start_ms - previous_end) / 1e3
+        totals[kind + " busy"] += (end_ms - max(start_ms, previous_end)) / 1e3
+        counts[kind] += 1
+        previous_end = end_ms
     for kind in ("prefill", "decode"):
-        step, gpu, run = totals[kind + " step wall"], totals[kind + " GPU"], totals[kind + " run wall"]
-        print(f"{kind:8s}: {counts[kind]:5d} steps, wall {step:6.2f} s, GPU busy {gpu:6.2f} s, "
-              f"host outside model_runner.run {step - run:5.2f} s, host inside run {run - gpu:5.2f} s (approx.)")
+        print(f"{kind:8s}: {counts[kind]:5d} steps, GPU busy {totals[kind + ' busy']:6.2f} s, "
+              f"GPU idle before them (waiting for the host) {totals[kind + ' idle']:5.2f} s")
 
     # kernel breakdowns from a fresh run: its first prefill steps, then decode steps in the middle
-    runner.run, runner.execute, llm.step = original_run, original_execute, original_step
     for prompt, p in zip(prompts, params):
         llm.add_request(prompt, p)
     kernel_breakdown(llm, "prefill", 3)

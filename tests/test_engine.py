@@ -115,6 +115,45 @@ def test_engine_driven_step_by_step(model_paths, hf_greedy):
         assert finished[request_id]["token_ids"] == hf_greedy(llm.config.model, prompt, 16)
 
 
+def test_next_step_is_launched_before_the_tokens_of_the_last_arrive(model_paths, hf_greedy):
+    """The host queues step N+1 while step N runs: N+1 reads N's tokens on the device, from
+    placeholders that stand in the sequences until N's tokens are collected."""
+    llm = LLM(model_paths["gqa_tied"], kvcache_block_size=16)
+    prompts = mixed_prompts(vocab_size(llm), lengths=(12, 30, 5))
+    for p in prompts:
+        llm.add_request(p, GREEDY)
+    llm.step()                                              # prefill: launched, not collected
+    assert llm.in_flight is not None
+    assert all(seq.token_ids[-1] < 0 for seq in llm.scheduler.running)
+    llm.step()                                              # decode launched from those placeholders
+    assert all(seq.token_ids[-1] < 0 and seq.token_ids[-2] >= 0 for seq in llm.scheduler.running)
+    finished = []
+    while not llm.is_finished():
+        finished += llm.step()
+    by_id = {o["request_id"]: o for o in finished}
+    assert [o["token_ids"] for o in sorted(by_id.values(), key=lambda o: o["request_id"])] == \
+        [hf_greedy(llm.config.model, p, 16) for p in prompts]
+
+
+def test_early_stops_do_not_disturb_the_step_already_queued(model_paths, hf_greedy):
+    """Sequences stopped by a token are already in the next queued step; that step's work for them
+    is dropped, the others' tokens and the prefix cache are unaffected, and no block stays held."""
+    llm = LLM(model_paths["gqa_tied"], kvcache_block_size=16)
+    prompts = mixed_prompts(vocab_size(llm), lengths=(40, 3, 33, 17, 64, 9), seed=3)
+    expected = [hf_greedy(llm.config.model, p, 16) for p in prompts]
+    # every other request stops at its own third token; the rest run to max_tokens
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                             stop_token_ids=[e[2]] if i % 2 == 0 else []) for i, e in enumerate(expected)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for i, (out, e) in enumerate(zip(outputs, expected)):
+        want = e[:e.index(e[2]) + 1] if i % 2 == 0 else e
+        assert out["token_ids"] == want and out["finish_reason"] == ("stop" if i % 2 == 0 else "length")
+    assert llm.block_manager.num_used_blocks == 0
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)     # served from the cache they left
+    assert sum(o["num_cached_tokens"] for o in again) > 0
+    assert [o["token_ids"] for o in again] == expected
+
+
 def test_logprobs_match_transformers(model_paths, hf_model_cache, hf_greedy):
     import torch
     path = model_paths["gqa_tied"]

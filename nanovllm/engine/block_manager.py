@@ -46,10 +46,13 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return len(self.blocks) - self.num_free_blocks
 
-    def block_hashes(self, seq: Sequence) -> list[int]:
-        """The chained hash of each full block of seq (computed once, grown as blocks fill)."""
+    def block_hashes(self, seq: Sequence, num_tokens: int | None = None) -> list[int]:
+        """The chained hash of each full block among seq's first num_tokens tokens (all by default;
+        computed once, grown as blocks fill). The engine passes known tokens only: a sequence's
+        last token may still be pending on the device."""
         size = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_tokens // size):
+        num_tokens = seq.num_tokens if num_tokens is None else num_tokens
+        for i in range(len(seq.block_hashes), num_tokens // size):
             prev = seq.block_hashes[-1] if seq.block_hashes else None
             seq.block_hashes.append(chain_hash(prev, seq.token_ids[i * size:(i + 1) * size]))
         return seq.block_hashes
@@ -59,7 +62,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         size = self.block_size
-        hashes = self.block_hashes(seq)
+        hashes = self.block_hashes(seq, seq.num_tokens - 1)
         hits = []
         for i in range((seq.num_tokens - 1) // size):
             block_id = self.hash_to_block.get(hashes[i])
@@ -108,7 +111,7 @@ class BlockManager:
         first, last = num_computed_before // size, seq.num_computed_tokens // size
         if first == last:
             return
-        hashes = self.block_hashes(seq)
+        hashes = self.block_hashes(seq, seq.num_computed_tokens)
         for i in range(first, last):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:

@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
@@ -24,6 +24,10 @@ class LLMEngine:
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
+        # The host prepares step N+1 while the device runs step N, whose tokens it collects after.
+        # Tensor-parallel workers need every step's token ids on the host first, so they do not.
+        self.overlap = config.tensor_parallel_size == 1
+        self.in_flight: LaunchedStep | None = None
         self.num_prefill_tokens = self.num_decode_tokens = 0   # of the last step, for the progress bar
         capacity = self.model_runner.num_kvcache_blocks * config.kvcache_block_size
         print(f"nanovllm: {config.hf_config.num_hidden_layers}-layer Qwen3 on {config.device} "
@@ -34,7 +38,7 @@ class LLMEngine:
         """Stop tensor-parallel workers and free device memory; the engine cannot be used after."""
         if self.model_runner is not None:
             self.model_runner.close()
-            self.model_runner = None
+            self.model_runner = self.in_flight = None
 
     def __enter__(self) -> "LLMEngine":
         return self
@@ -76,7 +80,7 @@ class LLMEngine:
         return seq.seq_id
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished() and self.in_flight is None
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -85,12 +89,24 @@ class LLMEngine:
         if self.model_runner is None:
             raise RuntimeError("this engine has been shut down; create a new LLM")
         batch = self.scheduler.schedule()
-        tokens, logprobs = self.model_runner.run(batch)
-        grown = self.scheduler.postprocess(batch, tokens, logprobs)
-        self._apply_stop_strings(grown)
+        launched = self.model_runner.launch(batch) if batch.seqs else None
+        finished = self._collect() if self.in_flight else []     # the step before, done meanwhile
+        if launched is not None:
+            self.scheduler.advance(batch)
+            self.in_flight = launched
+            if not self.overlap:
+                finished += self._collect()
         self.num_prefill_tokens = batch.num_tokens if batch.is_prefill else 0
         self.num_decode_tokens = 0 if batch.is_prefill else batch.num_tokens
-        return [self._output(seq) for seq in batch.seqs if seq.is_finished]
+        return finished
+
+    def _collect(self) -> list[dict]:
+        """Wait for the step in flight, put its tokens in place; outputs of the requests it ended."""
+        step, self.in_flight = self.in_flight, None
+        token_ids, logprobs = self.model_runner.collect(step)
+        grown = self.scheduler.fill(step.seqs, token_ids, logprobs)
+        self._apply_stop_strings(grown)
+        return [self._output(seq) for seq in grown if seq.is_finished]
 
     def _apply_stop_strings(self, seqs: list[Sequence]) -> None:
         for seq in seqs:

@@ -50,6 +50,15 @@ class StepInputs:
         return len(self.context_lens)
 
 
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step queued on the device: the sequences it samples, in row order, and host copies of its
+    sampler output that are valid once `done` has passed."""
+    seqs: list[Sequence]
+    out: SamplerOutput | None = None
+    done: torch.cuda.Event | None = None
+
+
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     largest = min(max_num_seqs, 512)
     return [b for b in (1, 2, 4, 8) if b < largest] + list(range(16, largest, 16)) + [largest]
@@ -218,9 +227,9 @@ class ModelRunner:
                           cu_seqlens_q, block_tables, cu_seqlens_q[1:][completes_prompt] - 1)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[int | None], list[dict[int, float] | None]]:
-        """Compute one scheduled step; returns the sampled token of each sequence (None for a
-        prompt chunk that is not the last) and, where asked for, its logprobs."""
+    def launch(self, batch: ScheduledBatch) -> "LaunchedStep":
+        """Queue one scheduled step (model and sampling) on the device and return without waiting,
+        so the host can prepare the next step while this one runs."""
         inputs = self.prepare_step(batch)
         for worker in self.workers:
             worker.send(inputs)
@@ -231,21 +240,25 @@ class ModelRunner:
                 worker.process.join(timeout=1)
                 worker.check_alive()
             raise
-        sampled_seqs = batch.seqs if not batch.is_prefill else [
-            seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens + n == seq.num_tokens]
-        if not sampled_seqs:
-            return [None] * len(batch.seqs), [None] * len(batch.seqs)
-        out = self.sampler(logits, self.prepare_sampling(sampled_seqs))
-        self._wait_for_device()
-        token_ids = out.token_ids.tolist()
-        seq_logprobs = self._logprobs_by_row(out, sampled_seqs)
-        if len(sampled_seqs) == len(batch.seqs):
-            return token_ids, seq_logprobs
-        row_of_seq = {id(seq): row for row, seq in enumerate(sampled_seqs)}
-        rows = [row_of_seq.get(id(seq)) for seq in batch.seqs]
-        tokens = [None if row is None else token_ids[row] for row in rows]
-        logprobs = [None if row is None else seq_logprobs[row] for row in rows]
-        return tokens, logprobs
+        seqs = batch.sampled_seqs()
+        if not seqs:
+            return LaunchedStep(seqs)
+        out = self.sampler(logits, self.prepare_sampling(seqs))
+        self.last_token_ids = out.token_ids      # the next step reads its pending tokens from here
+        to_host = lambda t: None if t is None else t.to("cpu", non_blocking=True)  # noqa: E731
+        host = SamplerOutput(to_host(out.token_ids), to_host(out.logprobs), to_host(out.top_logprobs),
+                             to_host(out.top_token_ids))
+        done = torch.cuda.Event() if self.is_cuda else None
+        if done is not None:
+            done.record()
+        return LaunchedStep(seqs, host, done)
+
+    def collect(self, step: "LaunchedStep") -> tuple[list[int], list[dict[int, float] | None]]:
+        """Wait for a launched step; the token (and logprobs, where asked) of each sampled sequence."""
+        if not step.seqs:
+            return [], []
+        self._wait_for_device(step.done)
+        return step.out.token_ids.tolist(), self._logprobs_by_row(step.out, step.seqs)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -258,6 +271,8 @@ class ModelRunner:
             input_ids, positions, slot_mapping, context_lens, cu_seqlens_q, block_tables = self._to_device(
                 inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.context_lens,
                 inputs.cu_seqlens_q, inputs.block_tables)
+            if inputs.input_ids.min() < 0:
+                input_ids = self._read_pending_tokens(input_ids)
             q_lens = np.diff(inputs.cu_seqlens_q)
             set_context(AttentionContext(
                 is_prefill=inputs.is_prefill, slot_mapping=slot_mapping, context_lens=context_lens,
@@ -273,12 +288,13 @@ class ModelRunner:
             hidden = hidden[torch.from_numpy(rows).to(self.device, non_blocking=True)]
         return self.model.compute_logits(hidden)
 
-    def _wait_for_device(self) -> None:
-        """With workers on GPUs, a dead rank would leave this step hanging in NCCL: wait by polling."""
-        if not self.workers or not self.is_cuda:
+    def _wait_for_device(self, done: torch.cuda.Event | None) -> None:
+        """With workers on GPUs, a dead rank would leave a step hanging in NCCL: wait by polling."""
+        if done is None:
             return
-        done = torch.cuda.Event()
-        done.record()
+        if not self.workers:
+            done.synchronize()
+            return
         while not done.query():
             for worker in self.workers:
                 worker.check_alive()
@@ -291,7 +307,7 @@ class ModelRunner:
         clean = all(worker.process.exitcode == 0 for worker in self.workers)
         set_context(None)
         self.graphs.clear()
-        self.model = self.kv_cache = self.graph_inputs = self.graph_outputs = None
+        self.model = self.kv_cache = self.graph_inputs = self.graph_outputs = self.last_token_ids = None
         for attn in self.attention_layers:
             attn.k_cache = attn.v_cache = torch.empty(0)
         if dist.is_initialized():
@@ -305,12 +321,19 @@ class ModelRunner:
         if self.is_cuda:
             torch.cuda.empty_cache()
 
+    def _read_pending_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Ids -1 - row stand for tokens the previous step sampled, still only on the device."""
+        rows = (-1 - input_ids).clamp_(min=0)
+        return torch.where(input_ids < 0, self.last_token_ids[rows], input_ids)
+
+    def _host_to_device(self, array: np.ndarray) -> torch.Tensor:
+        """Through pinned memory, so the copy neither waits for the device nor holds up the host."""
+        data = torch.from_numpy(array)
+        return data.pin_memory().to(self.device, non_blocking=True) if self.is_cuda else data
+
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """One host-to-device copy for all of a step's int arrays."""
-        flat = np.concatenate([a.ravel() for a in arrays]).astype(np.int64)
-        data = torch.from_numpy(flat)
-        if self.is_cuda:
-            data = data.pin_memory().to(self.device, non_blocking=True)
+        data = self._host_to_device(np.concatenate([a.ravel() for a in arrays]).astype(np.int64))
         out, offset = [], 0
         for a in arrays:
             out.append(data[offset:offset + a.size].view(a.shape))
@@ -337,7 +360,7 @@ class ModelRunner:
                 banned[row] = self._banned_tokens(seqs[row])
             if p.logprobs is not None:
                 asked.append(p.logprobs)
-        tensor = lambda values: torch.from_numpy(values).to(self.device, non_blocking=True)  # noqa: E731
+        tensor = self._host_to_device
         sampling = SamplingTensors(tensor(temperatures.astype(np.float32)), tensor(seeds), all_greedy,
                                    banned_tokens=banned, max_logprobs=max(asked) if asked else None)
         if (top_k > 0).any():
@@ -386,7 +409,9 @@ class ModelRunner:
         largest, width = self.graph_sizes[-1], self.max_blocks_per_seq
         # one int64 buffer, so a replay needs a single host-to-device copy
         self.graph_inputs = torch.zeros(largest * (4 + width), dtype=torch.int64, device=self.device)
-        self.graph_inputs_host = torch.zeros(self.graph_inputs.shape, dtype=torch.int64).pin_memory()
+        # two host buffers, used in turn: the copy of the step still queued may read the other
+        self.graph_inputs_host = [torch.zeros(self.graph_inputs.shape, dtype=torch.int64).pin_memory()
+                                  for _ in range(2)]
         input_ids, positions, slot_mapping, context_lens, block_tables = self._graph_views(self.graph_inputs)
         self.graph_outputs = torch.zeros(largest, hf_config.hidden_size, dtype=self.config.torch_dtype,
                                          device=self.device)
@@ -412,15 +437,21 @@ class ModelRunner:
 
     def _replay_decode_graph(self, inputs: StepInputs, size: int) -> torch.Tensor:
         n = inputs.num_seqs
-        input_ids, positions, slot_mapping, context_lens, block_tables = self._graph_views(self.graph_inputs_host)
+        host = self.graph_inputs_host[0]
+        self.graph_inputs_host.reverse()
+        input_ids, positions, slot_mapping, context_lens, block_tables = self._graph_views(host)
         input_ids[:n] = torch.from_numpy(inputs.input_ids)
+        input_ids[n:size] = 0
         positions[:n] = torch.from_numpy(inputs.positions)
         slot_mapping[:n] = torch.from_numpy(inputs.slot_mapping)
         slot_mapping[n:size] = -1                     # padding rows write nothing ...
         context_lens[:n] = torch.from_numpy(inputs.context_lens)
         context_lens[n:size] = 0                      # ... and read nothing
         block_tables[:n, :inputs.block_tables.shape[1]] = torch.from_numpy(inputs.block_tables)
-        self.graph_inputs.copy_(self.graph_inputs_host, non_blocking=True)
+        self.graph_inputs.copy_(host, non_blocking=True)
+        if inputs.input_ids.min() < 0:
+            ids = self.graph_inputs[:n]           # the input-id view comes first
+            ids.copy_(self._read_pending_tokens(ids))
         self.graphs[size].replay()
         return self.graph_outputs[:n]
 

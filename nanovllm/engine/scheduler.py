@@ -23,6 +23,13 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def sampled_seqs(self) -> list[Sequence]:
+        """The sequences that get a token from this step: those it brings to their last token.
+        (Ask before Scheduler.advance records the step.)"""
+        if not self.is_prefill:
+            return self.seqs
+        return [seq for seq, n in zip(self.seqs, self.num_new_tokens) if seq.num_computed_tokens + n == seq.num_tokens]
+
 
 class Scheduler:
     def __init__(self, config: Config, block_manager: BlockManager):
@@ -88,8 +95,8 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            if seq.num_uncomputed_tokens > 1:          # a chunked prompt still waiting for blocks
-                i += 1
+            if seq.num_uncomputed_tokens > 1 or self._reached_length(seq):
+                i += 1                                 # a chunked prompt waiting for blocks, or done
             elif len(seq.block_table) * bm.block_size >= seq.num_tokens or bm.can_allocate(seq, seq.num_tokens):
                 bm.allocate(seq, seq.num_tokens)       # a new block once every block_size tokens
                 seqs.append(seq)
@@ -105,25 +112,45 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int | None],
-                    logprobs: list[dict[int, float] | None] | None = None) -> list[Sequence]:
-        """Record what the step computed; returns the sequences that received a token."""
-        grown = []
+    def advance(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Record what a launched step computes, before its tokens are known: each sequence that
+        samples gets a pending token (see Sequence.add_pending_token). Returns those sequences."""
+        sampled = batch.sampled_seqs()
         block_size = self.block_manager.block_size
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.is_finished:                         # stopped by the step before, whose tokens came late
+                continue
             before = seq.num_computed_tokens
             seq.num_computed_tokens += n
             if before // block_size != seq.num_computed_tokens // block_size:
                 self.block_manager.cache_computed_blocks(seq, before)
-            token_id = sampled[i]
-            if token_id is None:                        # a prompt chunk that is not the last
+        for row, seq in enumerate(sampled):
+            if not seq.is_finished:
+                seq.add_pending_token(row)
+        return sampled
+
+    def fill(self, seqs: list[Sequence], token_ids: list[int],
+             logprobs: list[dict[int, float] | None] | None = None) -> list[Sequence]:
+        """Put each sampled token in its sequence's pending place and stop the sequences it ends;
+        returns the sequences that received a token."""
+        grown = []
+        for i, seq in enumerate(seqs):
+            if seq.is_finished:                         # stopped before this step's token arrived
                 continue
-            seq.append_token(token_id, logprobs[i] if logprobs else None)
+            seq.set_last_token(token_ids[i], logprobs[i] if logprobs else None)
             grown.append(seq)
             reason = self._stop_reason(seq)
             if reason:
                 self.finish(seq, reason)
         return grown
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int | None],
+                    logprobs: list[dict[int, float] | None] | None = None) -> list[Sequence]:
+        """advance and fill in one go, with sampled aligned to batch.seqs (None where nothing was
+        sampled); returns the sequences that received a token."""
+        rows = [i for i, token_id in enumerate(sampled) if token_id is not None]
+        seqs = self.advance(batch)
+        return self.fill(seqs, [sampled[i] for i in rows], [logprobs[i] for i in rows] if logprobs else None)
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         params = seq.sampling_params
@@ -132,12 +159,16 @@ class Scheduler:
             token_id = seq.last_token_id
             if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
                 return "stop"
-        if num_generated >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if self._reached_length(seq):
             return "length"
         return None
+
+    def _reached_length(self, seq: Sequence) -> bool:
+        return seq.num_completion_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= self.max_model_len
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
-        self.running.remove(seq)
+        # a sequence preempted while its last token was still being sampled waits in the queue
+        (self.running if seq in self.running else self.waiting).remove(seq)

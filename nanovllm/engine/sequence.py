@@ -61,8 +61,17 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     def append_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
+        self.add_pending_token(0)
+        self.set_last_token(token_id, logprobs)
+
+    def add_pending_token(self, row: int) -> None:
+        """Hold the place of a token the device is still sampling; the value -1 - row says which
+        row of that step's sampler output holds it, so the next step can read it on the device."""
+        self.token_ids.append(-1 - row)
+
+    def set_last_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
-        self.token_ids.append(token_id)
+        self.token_ids[-1] = token_id
         if self.logprobs is not None:
             self.logprobs.append(logprobs)
