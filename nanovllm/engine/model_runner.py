@@ -195,7 +195,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.to(config.torch_dtype))
         rows = config.max_num_seqs
         if self.rank == 0:
-                self.sampler(logits, SamplingTensors(torch.ones(rows, device=self.device),
+            self.sampler(logits, SamplingTensors(torch.ones(rows, device=self.device),
                                                  torch.zeros(rows, dtype=torch.int64, device=self.device)))
         torch.cuda.synchronize(self.device)
 
@@ -285,7 +285,7 @@ class ModelRunner:
         set_context(None)
         rows = inputs.logits_indices
         if len(rows) != num_tokens:
-            hidden = hidden[torch.from_numpy(rows).to(self.device, non_blocking=True)]
+            hidden = hidden[self._host_to_device(rows)]
         return self.model.compute_logits(hidden)
 
     def _wait_for_device(self, done: torch.cuda.Event | None) -> None:
