@@ -2,6 +2,7 @@
 # One GPU round: correctness first, then measurements. Run from the repo root on a CUDA machine.
 #   bash scripts/gpu_check.sh tests    # GPU tests (kernels vs twins, CUDA vs CPU vs transformers)
 #   bash scripts/gpu_check.sh bench    # bench.py, step timings, profile, transformers side by side
+#   bash scripts/gpu_check.sh quick    # bench.py, the CUDA engine checks, profile, transformers (~8 min)
 # Logs go to $OUT (or ./gpu_logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,14 @@ python -c "import torch, triton, transformers; print('torch', torch.__version__,
 if [ "$stage" = tests ] || [ "$stage" = all ]; then
   python -m pytest -q -x tests/test_kernels.py tests/test_gpu.py -s 2>&1 | tee "$LOGS/pytest_gpu.log" | grep -E "passed|failed|error|ours|Error" | tail -30
   python -m pytest -q tests/ --ignore=tests/test_kernels.py --ignore=tests/test_gpu.py 2>&1 | tee "$LOGS/pytest_rest_on_cuda.log" | tail -15
+fi
+if [ "$stage" = quick ]; then
+  python bench.py --config configs/qwen3-0.6b.json 2>&1 | tee "$LOGS/bench.log" | grep -v Loading
+  python -m pytest -q tests/test_gpu.py tests/test_sampler.py tests/test_engine.py -s \
+    -k "not test_engine or queued or arrive or preemption or chunked or logprobs or eos_stops" 2>&1 | tee "$LOGS/pytest_gpu.log" \
+    | grep -E "passed|failed|error|ours|Error" | tail -20
+  python scripts/profile_bench.py 2>&1 | tee "$LOGS/profile.log" | grep -v Loading | head -30
+  timeout 150 python scripts/hf_continuous_batching.py --timeout 90 2>&1 | tee "$LOGS/hf_cb.log" | tail -3
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python bench.py --config configs/qwen3-0.6b.json 2>&1 | tee "$LOGS/bench.log" | grep -v Loading

@@ -18,14 +18,15 @@ def main():
     parser.add_argument("--config", default="configs/qwen3-0.6b.json")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--timeout", type=float, default=300, help="seconds; report partial results after")
-    parser.add_argument("--attn", default="sdpa_paged")
+    parser.add_argument("--attn", default="paged|sdpa")
     args = parser.parse_args()
     seed(0)
     prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(args.num_seqs)]
     max_tokens = [randint(100, 1024) for _ in prompts]
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     path = cached_random_checkpoint(args.config)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation=args.attn).cuda()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation=args.attn).to(device)
     gen_config = GenerationConfig(do_sample=True, temperature=0.6, max_new_tokens=max(max_tokens), eos_token_id=-1)
     kwargs = {}
     try:
