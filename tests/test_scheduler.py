@@ -257,3 +257,68 @@ def test_block_pool_is_released_when_all_requests_finish():
     assert sched.num_preemptions > 0
     assert sched.block_manager.num_used_blocks == 0
     assert all(block.ref_count == 0 for block in sched.block_manager.blocks)
+
+
+def test_overlapped_steps_match_the_plain_loop():
+    """The engine's overlapped order: step N+1 is scheduled and computed, reading step N's tokens
+    'on the device' through the pending placeholders, before N's tokens are filled in. With EOS
+    stops (so a finished sequence's next step is already queued), preemption of sequences whose
+    token is pending, chunking and prefix hits, every request still ends with the output of a plain
+    loop, every K/V read is right, and the pool is released."""
+    rng = random.Random(1)
+    max_model_len = 48
+    sched = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=12,
+                           max_model_len=max_model_len)
+
+    def next_token(ids: list[int]) -> int:            # EOS about one time in twelve
+        h = hash(tuple(ids)) % 96
+        return EOS if h < 8 else 3 + h
+
+    prefixes = [[], [rng.randrange(3, 100) for _ in range(9)]]
+    seqs = [request(rng.choice(prefixes) + [rng.randrange(3, 100) for _ in range(rng.randint(1, 20))],
+                    max_tokens=rng.randint(1, 25)) for _ in range(30)]
+    for seq in seqs:
+        sched.add(seq)
+    kv, in_flight, steps = {}, None, 0                # in_flight: (sampled seqs, their tokens)
+    size = sched.block_manager.block_size
+    while not sched.is_finished() or in_flight:
+        steps += 1
+        assert steps < 5000, "did not finish"
+        batch = sched.schedule()
+        launched = None
+        if batch.seqs:
+            pending = in_flight[1] if in_flight else []
+            for seq, n in zip(batch.seqs, batch.num_new_tokens):    # the fake device computes
+                end = seq.num_computed_tokens + n
+                ids = [pending[-1 - t] if t < 0 else t for t in seq.token_ids[:end]]
+                keys = prefix_keys(ids)
+                for pos in range(end):
+                    slot = (seq.block_table[pos // size], pos % size)
+                    if pos >= seq.num_computed_tokens:
+                        kv[slot] = keys[pos]
+                    else:
+                        assert kv.get(slot) == keys[pos], f"seq {seq.seq_id} reads a wrong K/V at {pos}"
+            sampled = batch.sampled_seqs()
+            # a sequence whose pending token is its last is not run again just to be thrown away
+            assert all(s.num_completion_tokens < s.sampling_params.max_tokens and s.num_tokens < max_model_len
+                       for s in sampled)
+            launched = (sampled, [next_token([pending[-1 - t] if t < 0 else t for t in s.token_ids])
+                                  for s in sampled])
+        if in_flight:
+            sched.fill(*in_flight)
+        in_flight = None
+        if launched:
+            sched.advance(batch)
+            in_flight = launched
+
+    for seq in seqs:
+        ids = seq.token_ids[:seq.num_prompt_tokens]
+        limit = min(seq.sampling_params.max_tokens, max_model_len - len(ids))
+        expected = []
+        while len(expected) < limit and EOS not in expected:
+            expected.append(next_token(ids + expected))
+        assert seq.completion_token_ids == expected
+        assert seq.finish_reason == ("stop" if expected[-1] == EOS else "length")
+    assert sched.num_preemptions > 0 and any(s.num_cached_tokens for s in seqs)
+    assert sum(s.finish_reason == "stop" for s in seqs) >= 3
+    assert sched.block_manager.num_used_blocks == 0
