@@ -4,6 +4,10 @@ Prefill comes first: a step continues a prompt that is being chunked, then admit
 requests in arrival order while the token and sequence budgets and the KV pool allow. With no
 prefill work, every running sequence decodes one token; when the pool runs dry the most recently
 admitted sequence is preempted (its blocks freed, its tokens recomputed later).
+
+A step is recorded in two halves, because the engine schedules the next step before this one's
+tokens are back: advance (what the step computes, with a pending token per sampled sequence), then
+fill (the tokens, and the stops they cause).
 """
 from collections import deque
 from dataclasses import dataclass
