@@ -51,7 +51,7 @@ def main():
                 tokens += len(result.generated_tokens)
         elapsed = time.perf_counter() - start
     finally:
-        manager.stop(block=False)
+        manager.stop(block=True, timeout=30)   # with requests left, transformers logs an error here
     note = "" if done == len(prompts) else f" (stopped after {args.timeout:.0f} s: partial)"
     print(f"transformers {args.attn}: {done}/{len(prompts)} requests, {tokens} tokens in {elapsed:.2f} s = "
           f"{tokens / elapsed:,.0f} tok/s{note}")
