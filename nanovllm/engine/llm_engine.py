@@ -168,7 +168,7 @@ class LLMEngine:
                 elapsed = time.perf_counter() - start
                 if self.num_prefill_tokens:
                     prefill_rate = self.num_prefill_tokens / elapsed
-                else:
+                elif self.num_decode_tokens:     # (a last step may only collect the one before)
                     decode_rate = self.num_decode_tokens / elapsed
                 bar.set_postfix_str(f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s",
                                     refresh=False)
