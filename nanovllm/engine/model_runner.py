@@ -227,7 +227,7 @@ class ModelRunner:
                           cu_seqlens_q, block_tables, cu_seqlens_q[1:][completes_prompt] - 1)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> "LaunchedStep":
+    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Queue one scheduled step (model and sampling) on the device and return without waiting,
         so the host can prepare the next step while this one runs."""
         inputs = self.prepare_step(batch)
@@ -253,7 +253,7 @@ class ModelRunner:
             done.record()
         return LaunchedStep(seqs, host, done)
 
-    def collect(self, step: "LaunchedStep") -> tuple[list[int], list[dict[int, float] | None]]:
+    def collect(self, step: LaunchedStep) -> tuple[list[int], list[dict[int, float] | None]]:
         """Wait for a launched step; the token (and logprobs, where asked) of each sampled sequence."""
         if not step.seqs:
             return [], []

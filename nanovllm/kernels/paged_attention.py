@@ -132,7 +132,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int = 1, tile_tokens: int = 128, num_warps: int = 4,
                            num_stages: int = 2) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim], one new token per sequence (already in the cache).
-    tile_tokens, num_warps and num_stages are tuning knobs (scripts/step_timing.py sweeps them)."""
+    tile_tokens, num_warps and num_stages are tuning knobs (scripts/tune_decode_attention.py sweeps them)."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
