@@ -15,7 +15,7 @@ from nanovllm.utils.random_checkpoint import cached_random_checkpoint
 
 KERNEL_GROUPS = [("attention", ("_decode_kernel", "_combine_splits", "_prefill_kernel", "flash", "attention",
                                  "fmha", "cutlass::fmha")),
-                 ("kv store", ("_store_kvcache",)), ("rms norm", ("_rms_norm",)), ("rotary", ("_rotary",)),
+                 ("rms norm", ("_rms_norm",)), ("q/k norm, rotary, KV store", ("_rotary",)),
                  ("silu*mul", ("_silu_and_mul",)), ("GEMM", ("gemm", "cutlass", "sm90", "nvjet", "cublas")),
                  ("sampler", ("_gumbel_argmax", "softmax", "argmax", "gather"))]
 
@@ -45,10 +45,11 @@ def main():
         return original_execute(inputs)
 
     def timed_launch(batch):
+        context = sum(seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_new_tokens))
         step = original_launch(batch)
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        marks.append(("prefill" if batch.is_prefill else "decode", started["event"], end))
+        marks.append(("prefill" if batch.is_prefill else "decode", len(batch.seqs), context, started["event"], end))
         return step
 
     runner.launch, runner.execute = timed_launch, timed_execute
@@ -62,15 +63,30 @@ def main():
     tokens = sum(len(o["token_ids"]) for o in outputs)
     print(f"workload: {tokens} output tokens in {wall:.2f} s = {tokens / wall:,.0f} tok/s")
     totals, counts, previous_end = defaultdict(float), defaultdict(int), 0.0
-    for kind, start, end in marks:
+    hf = llm.config.hf_config
+    kv_bytes_per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim * 2
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    buckets = [(128, 256), (64, 127), (16, 63), (1, 15)]
+    for kind, num_seqs, context, start, end in marks:
         start_ms, end_ms = origin.elapsed_time(start), origin.elapsed_time(end)
+        busy = (end_ms - max(start_ms, previous_end)) / 1e3
         totals[kind + " idle"] += max(0.0, start_ms - previous_end) / 1e3
-        totals[kind + " busy"] += (end_ms - max(start_ms, previous_end)) / 1e3
+        totals[kind + " busy"] += busy
         counts[kind] += 1
         previous_end = end_ms
+        if kind == "decode":   # by batch size: GPU time against the bytes a step must read
+            bucket = next(b for b in buckets if b[0] <= num_seqs <= b[1])
+            counts[bucket] += 1
+            totals[bucket] += busy
+            totals[bucket, "bytes"] += weight_bytes + context * kv_bytes_per_token
     for kind in ("prefill", "decode"):
         print(f"{kind:8s}: {counts[kind]:5d} steps, GPU busy {totals[kind + ' busy']:6.2f} s, "
               f"GPU idle before them (waiting for the host) {totals[kind + ' idle']:5.2f} s")
+    for low, high in buckets:
+        seconds, nbytes = totals[low, high], totals[(low, high), "bytes"]
+        print(f"  decode at batch {low:3d}-{high:3d}: {counts[low, high]:4d} steps, GPU busy {seconds:5.2f} s, "
+              f"{nbytes / 1e12:5.2f} TB of weights + KV = {nbytes / max(seconds, 1e-9) / 1e12:4.2f} TB/s "
+              f"(at 3.0 TB/s: {nbytes / 3e12:5.2f} s)")
 
     # kernel breakdowns from a fresh run: its first prefill steps, then decode steps in the middle
     for prompt, p in zip(prompts, params):

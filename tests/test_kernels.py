@@ -8,11 +8,10 @@ sequence's context fails.
 import pytest
 import torch
 
-from nanovllm.kernels.kv_store import store_kvcache, store_kvcache_ref
 from nanovllm.kernels.paged_attention import (decode_num_splits, paged_attention_ref, paged_decode_attention,
                                               paged_prefill_attention)
 from nanovllm.kernels.rms_norm import rms_norm, rms_norm_ref
-from nanovllm.kernels.rotary_embedding import apply_rotary, apply_rotary_ref
+from nanovllm.kernels.rotary_embedding import KVStore, apply_rotary, apply_rotary_ref, store_kvcache_ref
 from nanovllm.kernels.sampling import CHUNK, gumbel_argmax, gumbel_argmax_ref
 from nanovllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 from nanovllm.kernels.triton_compat import HAS_TRITON
@@ -100,7 +99,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-# ---------------------------------------------------------------- store_kvcache
+# ---------------------------------------------------------------- KV store (done by the rotary kernel)
 
 STORE_CASES = [  # block_size, num_kv_heads, head_dim
     (16, 3, 64), (16, 1, 128), (256, 2, 128), (256, 8, 64),
@@ -111,23 +110,30 @@ STORE_CASES = [  # block_size, num_kv_heads, head_dim
 @dtypes
 @pytest.mark.parametrize("block_size,num_kv_heads,head_dim", STORE_CASES,
                          ids=[f"block{b}-kv{h}-d{d}" for b, h, d in STORE_CASES])
-def test_store_kvcache_writes_valid_slots_and_skips_padding(block_size, num_kv_heads, head_dim, dtype):
+def test_rotary_stores_keys_and_values_at_valid_slots_and_skips_padding(block_size, num_kv_heads, head_dim, dtype):
     num_tokens, num_blocks = 40, 6
-    _, _, key, value = packed_qkv(num_tokens, num_kv_heads, num_kv_heads, head_dim, dtype)   # strided views
+    _, q, key, value = packed_qkv(num_tokens, 2 * num_kv_heads, num_kv_heads, head_dim, dtype)   # strided views
+    key_before = key.clone()
     slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
     slots[torch.randperm(num_tokens, device=DEVICE)[:10]] = -1
+    positions = torch.randint(0, 4096, (num_tokens,), device=DEVICE)
+    cos_sin = RotaryEmbedding(head_dim, 4096, 1e6).cos_sin_cache.to(DEVICE)
+    weights = (torch.randn(head_dim, device=DEVICE).to(dtype), torch.randn(head_dim, device=DEVICE).to(dtype))
     poisoned = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
     k_cache, v_cache, k_ref, v_ref = (poisoned.clone() for _ in range(4))
 
-    store_kvcache(key, value, k_cache, v_cache, slots)
-    store_kvcache_ref(key, value, k_ref, v_ref, slots)
+    _, rotated = apply_rotary(positions, q, key, cos_sin, weights, EPS, KVStore(value, k_cache, v_cache, slots))
+    _, rotated_ref = apply_rotary_ref(positions, q.clone(), key_before, cos_sin, weights, EPS,
+                                      KVStore(value, k_ref, v_ref, slots))
 
-    for cache, ref, new in ((k_cache, k_ref, key), (v_cache, v_ref, value)):
-        torch.testing.assert_close(cache, ref, atol=0, rtol=0, equal_nan=True)
+    valid = slots >= 0
+    for cache, new in ((k_cache, rotated), (v_cache, value)):
         rows = cache.view(-1, num_kv_heads, head_dim)
-        valid = slots >= 0
-        assert torch.equal(rows[slots[valid]], new[valid])
+        assert torch.equal(rows[slots[valid]], new[valid])                      # the kernel's own rows, exactly
         assert int((~rows.isnan()).all(-1).all(-1).sum()) == int(valid.sum())   # nothing else written
+    torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0, equal_nan=True)
+    assert_close(k_cache.nan_to_num(7.0), k_ref.nan_to_num(7.0), dtype)
+    assert torch.equal(k_ref.view(-1, num_kv_heads, head_dim)[slots[valid]], rotated_ref[valid])
 
 
 # ---------------------------------------------------------------- paged decode attention
@@ -320,22 +326,34 @@ def naive_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
 @dtypes
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", ROTARY_FULL if CUDA else ROTARY_SMALL,
                          ids=lambda v: str(v))
-def test_rotary_in_place_on_packed_qkv(tokens, heads, kv_heads, head_dim, dtype):
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "head_norm"])
+def test_rotary_in_place_on_packed_qkv(tokens, heads, kv_heads, head_dim, norm, dtype):
     cache = RotaryEmbedding(head_dim, MAX_POSITION, 1e6).cos_sin_cache.to(DEVICE)
     positions = torch.randint(0, MAX_POSITION, (tokens,), device=DEVICE)
     positions[:2] = torch.tensor([0, MAX_POSITION - 1], device=DEVICE)
     qkv, q, k, v = packed_qkv(tokens, heads, kv_heads, head_dim, dtype)
+    qkv.mul_(3).add_(0.5)   # rows far from unit RMS, so a missing norm shows
     qkv_before = qkv.clone()
-    q_ref, k_ref = apply_rotary_ref(positions, q.clone(), k.clone(), cache)
+    weights = (torch.randn(head_dim, device=DEVICE).to(dtype), torch.randn(head_dim, device=DEVICE).to(dtype))
+    norm_args = (weights, EPS) if norm else ()
+    q_ref, k_ref = apply_rotary_ref(positions, q.clone(), k.clone(), cache, *norm_args)
 
-    q_out, k_out = apply_rotary(positions, q, k, cache)
+    q_out, k_out = apply_rotary(positions, q, k, cache, *norm_args)
 
     assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()
     assert_close(q, q_ref, dtype)
     assert_close(k, k_ref, dtype)
     assert torch.equal(v, qkv_before[:, heads + kv_heads:])   # the v part of qkv is untouched
-    assert_close(q_ref, naive_rotary(qkv_before[:, :heads], cache[positions]), dtype)
-    assert_close(k_ref, naive_rotary(qkv_before[:, heads:heads + kv_heads], cache[positions]), dtype)
+    q_in, k_in = qkv_before[:, :heads], qkv_before[:, heads:heads + kv_heads]
+    if norm:
+        q_in, k_in = naive_rms_norm(q_in, weights[0]), naive_rms_norm(k_in, weights[1])
+        # one fused pass equals the norm kernel followed by the rotary kernel
+        q_two, k_two = apply_rotary(positions, rms_norm(qkv_before[:, :heads], weights[0], EPS),
+                                    rms_norm(qkv_before[:, heads:heads + kv_heads], weights[1], EPS), cache)
+        assert_close(q, q_two, dtype)
+        assert_close(k, k_two, dtype)
+    assert_close(q_ref, naive_rotary(q_in, cache[positions]), dtype)
+    assert_close(k_ref, naive_rotary(k_in, cache[positions]), dtype)
 
 
 # ---------------------------------------------------------------- SiLU and multiply

@@ -1,7 +1,8 @@
 """Attention over the paged KV cache, and the choice of the backend that computes it.
 
-Each step first writes the new tokens' keys and values into the cache at their slots, then
-attends. A backend answers three cases: a plain prefill (no key comes from an earlier step), a
+Each step first writes the new tokens' keys and values into the cache at their slots (the rotary
+kernel does it as it rotates the keys: the model passes it `Attention.kv_store(v)`), then attends.
+A backend answers three cases: a plain prefill (no key comes from an earlier step), a
 prefill whose keys include cached blocks (prefix-cache hits, later chunks of a long prompt), and
 decode (one query per sequence).
 """
@@ -11,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels.kv_store import store_kvcache, store_kvcache_ref
 from nanovllm.kernels.paged_attention import paged_attention_ref, paged_decode_attention, paged_prefill_attention
+from nanovllm.kernels.rotary_embedding import KVStore
 from nanovllm.utils.context import AttentionContext, get_context
 
 try:
@@ -32,7 +33,6 @@ class TorchAttention(AttentionBackend):
     """The CPU path: torch reference twins of the kernels over the same paged cache."""
 
     def forward(self, q, k, v, k_cache, v_cache, ctx, scale):
-        store_kvcache_ref(k, v, k_cache, v_cache, ctx.slot_mapping)
         cu_seqlens_q = ctx.cu_seqlens_q if ctx.is_prefill else torch.arange(q.shape[0] + 1)
         return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, ctx.context_lens, ctx.block_tables, scale)
 
@@ -41,8 +41,6 @@ class TritonAttention(AttentionBackend):
     """The GPU default: Triton paged kernels, PyTorch's fused attention for plain prefills."""
 
     def forward(self, q, k, v, k_cache, v_cache, ctx, scale):
-        if k_cache.numel():   # empty only during the memory-profiling warm-up
-            store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
         if not ctx.is_prefill:
             return paged_decode_attention(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables,
                                           scale, ctx.num_splits)
@@ -61,12 +59,11 @@ class FlashAttnAttention(TritonAttention):
         self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
 
     def forward(self, q, k, v, k_cache, v_cache, ctx, scale):
-        if k_cache.numel() == 0 or k_cache.shape[1] % 256 or (ctx.is_prefill and ctx.has_cached_context):
-            return super().forward(q, k, v, k_cache, v_cache, ctx, scale)
-        store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
-        if ctx.is_prefill:
+        if ctx.is_prefill and not ctx.has_cached_context:
             return self.varlen(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_q, ctx.max_seqlen_q, ctx.max_seqlen_q,
                                softmax_scale=scale, causal=True)
+        if ctx.is_prefill or k_cache.shape[1] % 256:
+            return super().forward(q, k, v, k_cache, v_cache, ctx, scale)
         return self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens,
                                  block_table=ctx.block_tables, softmax_scale=scale, causal=True).squeeze(1)
 
@@ -117,7 +114,15 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)
         self.backend: AttentionBackend = TorchAttention()
 
+    def kv_store(self, v: torch.Tensor) -> KVStore | None:
+        """Where this step's keys and values v go; None during the memory-profiling warm-up, which
+        runs before the cache exists."""
+        if not self.k_cache.numel():
+            return None
+        return KVStore(v, self.k_cache, self.v_cache, get_context().slot_mapping)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [tokens, heads, head_dim], k/v: [tokens, kv_heads, head_dim] -> [tokens, heads * head_dim]."""
+        """q: [tokens, heads, head_dim], k/v: [tokens, kv_heads, head_dim], already in the cache
+        (see kv_store) -> [tokens, heads * head_dim]."""
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, get_context(), self.scale)
         return o.flatten(1, 2)

@@ -1,8 +1,8 @@
 """Qwen3, written by hand: embedding, N decoder layers, final norm, LM head.
 
-Each decoder layer: RMSNorm -> attention (q/k RMSNorm per head, rotary, grouped-query attention over
-the paged cache) -> residual -> RMSNorm -> SwiGLU MLP -> residual. The residual adds are fused
-into the following norm.
+Each decoder layer: RMSNorm -> attention (q/k RMSNorm per head, rotary and the KV-cache store in one
+pass, grouped-query attention over the paged cache) -> residual -> RMSNorm -> SwiGLU MLP -> residual.
+The residual adds are fused into the following norm.
 """
 import torch
 from torch import nn
@@ -34,7 +34,7 @@ class Qwen3Attention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states).view(hidden_states.shape[0], -1, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm, kv_store=self.attn.kv_store(v))
         return self.o_proj(self.attn(q, k, v))
 
 
