@@ -3,7 +3,7 @@ temperature is 0. The Gumbel-max trick samples exactly from softmax(scores / tem
 read of the scores and no softmax, sort or cumulative sum.
 
 Each row's noise comes from its own 64-bit seed, so a seeded request draws the same noise whatever
-else is in the batch. The kernel draws it with Triton's Philox generator; the twin draws it with a
+else is in the batch. The kernel draws it with Triton's Philox generator, four numbers per call; the twin draws it with a
 torch.Generator seeded alike, so the two sample the same distribution but not the same numbers.
 """
 import torch
@@ -34,8 +34,11 @@ def _gumbel_argmax_kernel(scores_ptr, stride_row, temperatures_ptr, seeds_ptr, b
     x = tl.load(scores_ptr + row * stride_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
     temperature = tl.load(temperatures_ptr + row)
     if temperature > 0:
+        # one Philox call gives four uniforms (the costly part of this kernel): entry 4i+j of the
+        # chunk takes draw j of counter i, so counters stay distinct across the whole vocabulary
         seed = tl.load(seeds_ptr + row)
-        u = tl.rand(seed, offs)
+        u0, u1, u2, u3 = tl.rand4x(seed, chunk * (CHUNK // 4) + tl.arange(0, CHUNK // 4))
+        u = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [CHUNK])
         x = x / temperature - tl.log(-tl.log(u))
         x = tl.where(mask, x, float("-inf"))
     best = tl.argmax(x, axis=0)
