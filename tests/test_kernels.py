@@ -191,6 +191,22 @@ def test_paged_decode_attention(block_size, head_dim, num_kv_heads, group, conte
         assert_close(ref[i:i + 1], dense_attention(q[i:i + 1], k, v, scale), dtype)
 
 
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_decode_attention_program_orders_agree(splits):
+    """Which programs run first changes only the schedule: each one computes the same numbers."""
+    context_lens = [40, 1, 300, 17, 256]
+    k_cache, v_cache, block_tables, _ = make_paged_cache(context_lens, 16, 2, 64, torch.float32)
+    _, q, _, _ = packed_qkv(len(context_lens), 4, 2, 64, torch.float32)
+    lens = torch.tensor(context_lens, device=DEVICE)
+    by_head, by_seq = (paged_decode_attention(q, k_cache, v_cache, lens, block_tables, 0.125, num_splits=splits,
+                                              heads_fastest=order) for order in (True, False))
+    assert not by_head.isnan().any()
+    assert torch.equal(by_head, by_seq)
+    assert_close(by_head, paged_attention_ref(q, k_cache, v_cache, torch.arange(len(context_lens) + 1, device=DEVICE),
+                                              lens, block_tables, 0.125), torch.float32)
+
+
 def test_decode_num_splits_targets_four_programs_per_sm_within_1_to_16():
     assert decode_num_splits(1, 8, 132) == 16          # ceil(528 / 8) = 66, capped
     assert decode_num_splits(64, 8, 132) == 2          # ceil(528 / 512)

@@ -50,10 +50,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    stride_out_seq, stride_out_head, stride_cache_block, stride_cache_token, stride_bt,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+                   HEADS_FASTEST: tl.constexpr):
+    if HEADS_FASTEST:   # the KV heads of one token are adjacent in memory: read them together
+        kv_head, split, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    else:
+        seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     num_tiles = tl.cdiv(context_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
@@ -130,9 +132,10 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                            num_splits: int = 1, tile_tokens: int = 128, num_warps: int = 4,
-                           num_stages: int = 2) -> torch.Tensor:
+                           num_stages: int = 2, heads_fastest: bool = True) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim], one new token per sequence (already in the cache).
-    tile_tokens, num_warps and num_stages are tuning knobs (scripts/tune_decode_attention.py sweeps them)."""
+    tile_tokens, num_warps, num_stages and the program order are tuning knobs
+    (scripts/tune_decode_attention.py sweeps them)."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -143,13 +146,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_out = part_lse = out   # unused
     block_d = triton.next_power_of_2(head_dim)
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, num_splits, num_seqs) if heads_fastest else (num_seqs, num_kv_heads, num_splits)
+    _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
         scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=min(tile_tokens, block_size),
-        NUM_SPLITS=num_splits, PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
+        NUM_SPLITS=num_splits, PRECISION=_dot_precision(q.dtype), HEADS_FASTEST=heads_fastest,
+        num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),
