@@ -124,6 +124,8 @@ class ModelRunner:
             attn.backend = backend
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.is_cuda else 1
         self.num_kvcache_blocks = self._allocate_kv_cache()
+        if self.is_cuda:
+            self._run_cached_prefill()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.is_cuda and not config.enforce_eager:
             self._capture_decode_graphs()
@@ -198,6 +200,14 @@ class ModelRunner:
             self.sampler(logits, SamplingTensors(torch.ones(rows, device=self.device),
                                                  torch.zeros(rows, dtype=torch.int64, device=self.device)))
         torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def _run_cached_prefill(self) -> None:
+        """One prefill token over one cached one, writing nothing: compiles the kernels of that path
+        (prefix-cache hits, later chunks of a prompt) now, not in the middle of the first requests.
+        The memory warm-up cannot: it runs before the cache exists."""
+        self.execute(StepInputs(True, np.zeros(1, np.int64), np.array([1]), np.array([-1]), np.array([2]),
+                                np.array([0, 1]), np.zeros((1, 1), np.int64), np.array([0])))
 
     # ---- one step ------------------------------------------------------------------------------
 
