@@ -2,7 +2,9 @@
 # One GPU round: correctness first, then measurements. Run from the repo root on a CUDA machine.
 #   bash scripts/gpu_check.sh tests    # GPU tests (kernels vs twins, CUDA vs CPU vs transformers)
 #   bash scripts/gpu_check.sh bench    # bench.py, step timings, profile, transformers side by side
-#   bash scripts/gpu_check.sh quick    # bench.py, the CUDA engine checks, profile, transformers (~8 min)
+#   bash scripts/gpu_check.sh quick    # bench.py, the CUDA engine and fused-kernel checks, profile, step times (~8 min)
+#   bash scripts/gpu_check.sh tune     # bench.py, fused-kernel checks, decode kernel sweeps (~6 min)
+#   bash scripts/gpu_check.sh final    # program orders, bench.py twice, GPU tests, profile, step times (~8 min)
 # Logs go to $OUT (or ./gpu_logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,11 +22,27 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
 fi
 if [ "$stage" = quick ]; then
   python bench.py --config configs/qwen3-0.6b.json 2>&1 | tee "$LOGS/bench.log" | grep -v Loading
-  python -m pytest -q tests/test_gpu.py tests/test_sampler.py tests/test_engine.py -s \
-    -k "not test_engine or queued or arrive or preemption or chunked or logprobs or eos_stops" 2>&1 | tee "$LOGS/pytest_gpu.log" \
-    | grep -E "passed|failed|error|ours|Error" | tail -20
+  python -m pytest -q tests/test_gpu.py tests/test_kernels.py tests/test_engine.py -s \
+    -k "test_gpu or rotary or stores or gumbel or queued or arrive or preemption or chunked or logprobs" 2>&1 \
+    | tee "$LOGS/pytest_gpu.log" | grep -E "passed|failed|error|ours|Error" | tail -20
   python scripts/profile_bench.py 2>&1 | tee "$LOGS/profile.log" | grep -v Loading | head -30
-  timeout 150 python scripts/hf_continuous_batching.py --timeout 90 2>&1 | tee "$LOGS/hf_cb.log" | tail -3
+  python scripts/step_timing.py 2>&1 | tee "$LOGS/step_timing.log" | grep -v Loading
+fi
+if [ "$stage" = tune ]; then
+  python bench.py --config configs/qwen3-0.6b.json 2>&1 | tee "$LOGS/bench.log" | grep -v Loading
+  python -m pytest -q tests/test_gpu.py tests/test_kernels.py -k "test_gpu or rotary or gumbel or decode" 2>&1 \
+    | tee "$LOGS/pytest_gpu.log" | grep -E "passed|failed|error|Error" | tail -20
+  python scripts/tune_decode_attention.py 2>&1 | tee "$LOGS/tune_attention.log"
+  python scripts/decode_op_timing.py 2>&1 | tee "$LOGS/op_timing.log"
+fi
+if [ "$stage" = final ]; then
+  python scripts/tune_decode_attention.py --orders 2>&1 | tee "$LOGS/orders.log"
+  for run in 1 2; do python bench.py --config configs/qwen3-0.6b.json 2>&1 | tee -a "$LOGS/bench.log" | grep -v Loading; done
+  python -m pytest -q tests/test_gpu.py tests/test_kernels.py tests/test_engine.py -s \
+    -k "test_gpu or decode or prefill or rotary or stores or gumbel or queued or arrive or preemption or chunked or logprobs" 2>&1 \
+    | tee "$LOGS/pytest_gpu.log" | grep -E "passed|failed|error|Error" | tail -20
+  python scripts/profile_bench.py 2>&1 | tee "$LOGS/profile.log" | grep -v Loading | head -22
+  python scripts/step_timing.py 2>&1 | tee "$LOGS/step_timing.log" | grep -v Loading
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python bench.py --config configs/qwen3-0.6b.json 2>&1 | tee "$LOGS/bench.log" | grep -v Loading
