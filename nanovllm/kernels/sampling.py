@@ -3,8 +3,9 @@ temperature is 0. The Gumbel-max trick samples exactly from softmax(scores / tem
 read of the scores and no softmax, sort or cumulative sum.
 
 Each row's noise comes from its own 64-bit seed, so a seeded request draws the same noise whatever
-else is in the batch. The kernel draws it with Triton's Philox generator, four numbers per call; the twin draws it with a
-torch.Generator seeded alike, so the two sample the same distribution but not the same numbers.
+else is in the batch. The kernel draws it with Triton's Philox generator, four numbers per call; the
+twin draws it with a torch.Generator seeded alike, so the two sample the same distribution but not
+the same numbers.
 """
 import torch
 
