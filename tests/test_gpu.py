@@ -77,7 +77,7 @@ def test_qwen3_06b_shape_bf16_logits_within_bf16_tolerance(qwen3_06b_path):
     assert prefill.is_prefill and len(prefill.seqs) == len(prompts)
     prefill_logits = runner.execute(runner.prepare_step(prefill))
     next_tokens = prefill_logits.argmax(-1).tolist()
-    llm.scheduler.postprocess(prefill, next_tokens)
+    llm.scheduler.fill(llm.scheduler.advance(prefill), next_tokens)   # every prompt completes: one token each
     decode = llm.scheduler.schedule()
     assert not decode.is_prefill and runner.graphs
     decode_inputs = runner.prepare_step(decode)

@@ -66,11 +66,17 @@ def fake_model(sched: Scheduler, batch, kv: dict, next_token=toy_model) -> list[
     return sampled
 
 
+def record(sched: Scheduler, batch, sampled: list[int | None]) -> None:
+    """Record a step whose tokens are already known: advance, then fill. sampled is aligned to
+    batch.seqs, None where a prompt chunk samples nothing."""
+    sched.fill(sched.advance(batch), [token_id for token_id in sampled if token_id is not None])
+
+
 def step(sched: Scheduler, kv: dict, next_token=toy_model):
-    """One engine step: schedule, run the fake model, postprocess; returns the batch and its samples."""
+    """One engine step: schedule, run the fake model, record it; returns the batch and its samples."""
     batch = sched.schedule()
     sampled = fake_model(sched, batch, kv, next_token)
-    sched.postprocess(batch, sampled)
+    record(sched, batch, sampled)
     return batch, sampled
 
 
@@ -170,7 +176,7 @@ def test_pool_exhaustion_preempts_the_newest_running_sequence():
     assert c.status == SequenceStatus.WAITING and c.block_table == [] and c.num_computed_tokens == 0
     assert list(sched.waiting) == [c, d] and sched.running == [a, b]
     assert sched.num_preemptions == 1
-    sched.postprocess(batch, fake_model(sched, batch, kv))
+    record(sched, batch, fake_model(sched, batch, kv))
 
     run(sched, kv)
     for seq in (a, b, c, d):

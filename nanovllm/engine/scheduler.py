@@ -148,14 +148,6 @@ class Scheduler:
                 self.finish(seq, reason)
         return grown
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int | None],
-                    logprobs: list[dict[int, float] | None] | None = None) -> list[Sequence]:
-        """advance and fill in one go, with sampled aligned to batch.seqs (None where nothing was
-        sampled); returns the sequences that received a token."""
-        rows = [i for i, token_id in enumerate(sampled) if token_id is not None]
-        seqs = self.advance(batch)
-        return self.fill(seqs, [sampled[i] for i in rows], [logprobs[i] for i in rows] if logprobs else None)
-
     def _stop_reason(self, seq: Sequence) -> str | None:
         params = seq.sampling_params
         num_generated = seq.num_completion_tokens
