@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.triton_compat import tl, triton
+from nanovllm.kernels.triton_compat import tl, triton, uses_pdl, wait_for_previous_kernel
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -51,7 +51,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                   HEADS_FASTEST: tl.constexpr):
+                   HEADS_FASTEST: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     if HEADS_FASTEST:   # the KV heads of one token are adjacent in memory: read them together
         kv_head, split, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     else:
@@ -106,7 +107,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
 @triton.jit
 def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_out_seq, stride_out_head,
                            NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                           NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+                           NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -154,12 +156,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=min(tile_tokens, block_size),
         NUM_SPLITS=num_splits, PRECISION=_dot_precision(q.dtype), HEADS_FASTEST=heads_fastest,
-        num_warps=num_warps, num_stages=num_stages)
+        PDL=uses_pdl(q), num_warps=num_warps, num_stages=num_stages, launch_pdl=uses_pdl(q))
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits))
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), PDL=uses_pdl(q),
+            launch_pdl=uses_pdl(q))
     return out
 
 

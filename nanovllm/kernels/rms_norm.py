@@ -4,7 +4,7 @@ Rounds like Hugging Face's Qwen3RMSNorm: normalise in float32, round to the inpu
 """
 import torch
 
-from nanovllm.kernels.triton_compat import tl, triton
+from nanovllm.kernels.triton_compat import tl, triton, uses_pdl, wait_for_previous_kernel
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -21,7 +21,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, eps, num_rows, stride_x_row, stride_x_head,
                      NUM_HEADS: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     # ROWS rows per program, each a (token, head) pair; heads only for the per-head q/k norms
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
@@ -52,5 +53,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x3, residual if residual is not None else x3, weight, out, eps, num_rows, x3.stride(0), x3.stride(1),
         NUM_HEADS=num_heads, N=n, BLOCK=block, ROWS=rows, HAS_RESIDUAL=residual is not None,
-        num_warps=4 if block * rows <= 2048 else 8)
+        PDL=uses_pdl(x), num_warps=4 if block * rows <= 2048 else 8, launch_pdl=uses_pdl(x))
     return out if residual is None else (out, residual)

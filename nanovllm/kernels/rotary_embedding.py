@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from nanovllm.kernels.rms_norm import rms_norm_ref
-from nanovllm.kernels.triton_compat import tl, triton
+from nanovllm.kernels.triton_compat import tl, triton, uses_pdl, wait_for_previous_kernel
 
 
 class KVStore(NamedTuple):
@@ -78,7 +78,9 @@ def _rotate_heads(x_ptr, weight_ptr, eps, stride_token, token, cos, sin, NUM_HEA
 def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cache_ptr, q_weight_ptr, k_weight_ptr, eps, stride_q, stride_k,
                    v_ptr, stride_v, k_cache_ptr, v_cache_ptr, slot_ptr,
                    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, BLOCK_QH: tl.constexpr,
-                   BLOCK_KH: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr):
+                   BLOCK_KH: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
+                   PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0)
     pos = tl.load(positions_ptr + token)
     d = tl.arange(0, HALF)
@@ -121,5 +123,5 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
         value, value.stride(0), k_cache, v_cache, slots,
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, BLOCK_QH=triton.next_power_of_2(num_q_heads),
         BLOCK_KH=triton.next_power_of_2(num_k_heads), HALF=head_dim // 2, NORM=norm_weights is not None,
-        STORE=kv_store is not None)
+        STORE=kv_store is not None, PDL=uses_pdl(q), launch_pdl=uses_pdl(q))
     return q, k

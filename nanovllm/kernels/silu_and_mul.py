@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.triton_compat import tl, triton
+from nanovllm.kernels.triton_compat import tl, triton, uses_pdl, wait_for_previous_kernel
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -11,7 +11,8 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < N
@@ -27,5 +28,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     num_tokens, n = x.shape[0], x.shape[1] // 2
     out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
-    _silu_and_mul_kernel[(num_tokens, triton.cdiv(n, block))](x, out, N=n, BLOCK=block)
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(n, block))](x, out, N=n, BLOCK=block, PDL=uses_pdl(x),
+                                                               launch_pdl=uses_pdl(x))
     return out
