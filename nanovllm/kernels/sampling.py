@@ -9,7 +9,7 @@ the same numbers.
 """
 import torch
 
-from nanovllm.kernels.triton_compat import tl, triton
+from nanovllm.kernels.triton_compat import libdevice, tl, triton, uses_pdl, wait_for_previous_kernel
 
 CHUNK = 4096   # vocabulary entries per program; each writes its best (score, index)
 
@@ -27,7 +27,8 @@ def gumbel_argmax_ref(scores: torch.Tensor, temperatures: torch.Tensor, seeds: l
 
 @triton.jit
 def _gumbel_argmax_kernel(scores_ptr, stride_row, temperatures_ptr, seeds_ptr, best_score_ptr, best_index_ptr,
-                          vocab_size, num_chunks, CHUNK: tl.constexpr):
+                          vocab_size, num_chunks, CHUNK: tl.constexpr, FAST_LOG: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -35,12 +36,16 @@ def _gumbel_argmax_kernel(scores_ptr, stride_row, temperatures_ptr, seeds_ptr, b
     x = tl.load(scores_ptr + row * stride_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
     temperature = tl.load(temperatures_ptr + row)
     if temperature > 0:
-        # one Philox call gives four uniforms (the costly part of this kernel): entry 4i+j of the
-        # chunk takes draw j of counter i, so counters stay distinct across the whole vocabulary
+        # one Philox call gives four uniforms: entry 4i+j of the chunk takes draw j of counter i,
+        # so counters stay distinct across the whole vocabulary
         seed = tl.load(seeds_ptr + row)
         u0, u1, u2, u3 = tl.rand4x(seed, chunk * (CHUNK // 4) + tl.arange(0, CHUNK // 4))
         u = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [CHUNK])
-        x = x / temperature - tl.log(-tl.log(u))
+        # x / T - ln(-ln u), in base 2 (scaled by log2(e), which keeps the argmax). The inner log
+        # must be exact near u = 1, where the winning noise comes from; the outer one may be fast.
+        exponential = -tl.log2(u)
+        noise = -libdevice.fast_log2f(exponential) if FAST_LOG else -tl.log2(exponential)
+        x = x * (1.4426950408889634 / temperature) + noise
         x = tl.where(mask, x, float("-inf"))
     best = tl.argmax(x, axis=0)
     tl.store(best_score_ptr + row * num_chunks + chunk, tl.max(x, axis=0))
@@ -55,5 +60,7 @@ def gumbel_argmax(scores: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     best_score = torch.empty(rows, num_chunks, dtype=torch.float32, device=scores.device)
     best_index = torch.empty(rows, num_chunks, dtype=torch.int64, device=scores.device)
     _gumbel_argmax_kernel[(rows, num_chunks)](scores, scores.stride(0), temperatures, seeds, best_score,
-                                              best_index, vocab_size, num_chunks, CHUNK=CHUNK, num_warps=8)
+                                              best_index, vocab_size, num_chunks, CHUNK=CHUNK, num_warps=8,
+                                              FAST_LOG=scores.is_cuda,  # the interpreter lacks libdevice
+                                              PDL=uses_pdl(scores), launch_pdl=uses_pdl(scores))
     return best_index.gather(1, best_score.argmax(dim=1, keepdim=True)).squeeze(1)
