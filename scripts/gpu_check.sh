@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh bench    # bench.py, step timings, profile, transformers side by side
 #   bash scripts/gpu_check.sh quick    # bench.py, the CUDA engine and fused-kernel checks, profile, step times (~8 min)
 #   bash scripts/gpu_check.sh tune     # bench.py, fused-kernel checks, decode kernel sweeps (~6 min)
-#   bash scripts/gpu_check.sh final    # program orders, bench.py twice, GPU tests, profile, step times (~8 min)
+#   bash scripts/gpu_check.sh final    # bench.py three times, engine and sampler GPU tests, profile, step times (~8 min)
 # Logs go to $OUT (or ./gpu_logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,10 +36,8 @@ if [ "$stage" = tune ]; then
   python scripts/decode_op_timing.py 2>&1 | tee "$LOGS/op_timing.log"
 fi
 if [ "$stage" = final ]; then
-  python scripts/tune_decode_attention.py --orders 2>&1 | tee "$LOGS/orders.log"
-  for run in 1 2; do python bench.py --config configs/qwen3-0.6b.json 2>&1 | tee -a "$LOGS/bench.log" | grep -v Loading; done
-  python -m pytest -q tests/test_gpu.py tests/test_kernels.py tests/test_engine.py -s \
-    -k "test_gpu or decode or prefill or rotary or stores or gumbel or queued or arrive or preemption or chunked or logprobs" 2>&1 \
+  for run in 1 2 3; do python bench.py --config configs/qwen3-0.6b.json 2>&1 | tee -a "$LOGS/bench.log" | grep -v Loading; done
+  python -m pytest -q tests/test_gpu.py tests/test_kernels.py tests/test_sampler.py -s -k "test_gpu or gumbel or sampl" 2>&1 \
     | tee "$LOGS/pytest_gpu.log" | grep -E "passed|failed|error|Error" | tail -20
   python scripts/profile_bench.py 2>&1 | tee "$LOGS/profile.log" | grep -v Loading | head -22
   python scripts/step_timing.py 2>&1 | tee "$LOGS/step_timing.log" | grep -v Loading
