@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.triton_compat import tl, triton, uses_pdl, wait_for_previous_kernel
+from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -156,13 +156,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=min(tile_tokens, block_size),
         NUM_SPLITS=num_splits, PRECISION=_dot_precision(q.dtype), HEADS_FASTEST=heads_fastest,
-        PDL=uses_pdl(q), num_warps=num_warps, num_stages=num_stages, launch_pdl=uses_pdl(q))
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(q))
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), PDL=uses_pdl(q),
-            launch_pdl=uses_pdl(q))
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), **pdl_launch(q))
     return out
 
 

@@ -4,7 +4,7 @@ Rounds like Hugging Face's Qwen3RMSNorm: normalise in float32, round to the inpu
 """
 import torch
 
-from nanovllm.kernels.triton_compat import tl, triton, uses_pdl, wait_for_previous_kernel
+from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -53,5 +53,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x3, residual if residual is not None else x3, weight, out, eps, num_rows, x3.stride(0), x3.stride(1),
         NUM_HEADS=num_heads, N=n, BLOCK=block, ROWS=rows, HAS_RESIDUAL=residual is not None,
-        PDL=uses_pdl(x), num_warps=4 if block * rows <= 2048 else 8, launch_pdl=uses_pdl(x))
+        num_warps=4 if block * rows <= 2048 else 8, **pdl_launch(x))
     return out if residual is None else (out, residual)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from nanovllm.kernels.rms_norm import rms_norm_ref
-from nanovllm.kernels.triton_compat import tl, triton, uses_pdl, wait_for_previous_kernel
+from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
 
 
 class KVStore(NamedTuple):
@@ -123,5 +123,5 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
         value, value.stride(0), k_cache, v_cache, slots,
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, BLOCK_QH=triton.next_power_of_2(num_q_heads),
         BLOCK_KH=triton.next_power_of_2(num_k_heads), HALF=head_dim // 2, NORM=norm_weights is not None,
-        STORE=kv_store is not None, PDL=uses_pdl(q), launch_pdl=uses_pdl(q))
+        STORE=kv_store is not None, **pdl_launch(q))
     return q, k

@@ -9,7 +9,7 @@ the same numbers.
 """
 import torch
 
-from nanovllm.kernels.triton_compat import libdevice, tl, triton, uses_pdl, wait_for_previous_kernel
+from nanovllm.kernels.triton_compat import libdevice, pdl_launch, tl, triton, wait_for_previous_kernel
 
 CHUNK = 4096   # vocabulary entries per program; each writes its best (score, index)
 
@@ -62,5 +62,5 @@ def gumbel_argmax(scores: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     _gumbel_argmax_kernel[(rows, num_chunks)](scores, scores.stride(0), temperatures, seeds, best_score,
                                               best_index, vocab_size, num_chunks, CHUNK=CHUNK, num_warps=8,
                                               FAST_LOG=scores.is_cuda,  # the interpreter lacks libdevice
-                                              PDL=uses_pdl(scores), launch_pdl=uses_pdl(scores))
+                                              **pdl_launch(scores))
     return best_index.gather(1, best_score.argmax(dim=1, keepdim=True)).squeeze(1)

@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.triton_compat import tl, triton, uses_pdl, wait_for_previous_kernel
+from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -28,6 +28,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     num_tokens, n = x.shape[0], x.shape[1] // 2
     out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
-    _silu_and_mul_kernel[(num_tokens, triton.cdiv(n, block))](x, out, N=n, BLOCK=block, PDL=uses_pdl(x),
-                                                               launch_pdl=uses_pdl(x))
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(n, block))](x, out, N=n, BLOCK=block, **pdl_launch(x))
     return out

@@ -1,5 +1,6 @@
 """Triton when it is installed; otherwise a stand-in so the kernel modules and their torch twins
-still import on machines without it (CPU-only torch does not bring Triton)."""
+still import on machines without it (CPU-only torch does not bring Triton). Also the launch option
+every kernel shares: programmatic dependent launch on Hopper and newer GPUs."""
 import functools
 
 import torch
@@ -34,10 +35,12 @@ def _has_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def uses_pdl(t: torch.Tensor) -> bool:
-    """Programmatic dependent launch (Hopper and newer): a kernel launched with it may start while
-    the kernel before it drains, and waits in wait_for_previous_kernel() before touching memory."""
-    return t.is_cuda and _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())
+def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
+    """Launch arguments for a kernel that starts with wait_for_previous_kernel(PDL) and works on t.
+    With programmatic dependent launch the GPU may schedule the kernel while the one before it
+    drains; the kernel then waits for that one's results before touching memory."""
+    on = t.is_cuda and _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return dict(PDL=on, launch_pdl=on)
 
 
 @triton.jit
