@@ -5,6 +5,9 @@
 #   bash scripts/gpu_check.sh quick    # bench.py, the CUDA engine and fused-kernel checks, profile, step times (~8 min)
 #   bash scripts/gpu_check.sh tune     # bench.py, fused-kernel checks, decode kernel sweeps (~6 min)
 #   bash scripts/gpu_check.sh final    # bench.py three times, engine and sampler GPU tests, profile, step times (~8 min)
+#   BASE="DIR..." bash scripts/gpu_check.sh ab   # attention/engine GPU tests, then bench.py here and in each
+#                                                # DIR (older checkouts) in turn, twice each
+#   BASE="DIR..." bash scripts/gpu_check.sh ab-profile   # step times and GPU-busy time, here and in each DIR
 # Logs go to $OUT (or ./gpu_logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +44,26 @@ if [ "$stage" = final ]; then
     | tee "$LOGS/pytest_gpu.log" | grep -E "passed|failed|error|Error" | tail -20
   python scripts/profile_bench.py 2>&1 | tee "$LOGS/profile.log" | grep -v Loading | head -22
   python scripts/step_timing.py 2>&1 | tee "$LOGS/step_timing.log" | grep -v Loading
+fi
+if [ "$stage" = ab ] || [ "$stage" = ab-profile ]; then
+  trees=". ${BASE:?BASE names the checkouts to compare with, separated by spaces}"
+fi
+if [ "$stage" = ab ]; then
+  python -m pytest -q -x tests/test_kernels.py tests/test_gpu.py tests/test_engine.py -s \
+    -k "test_gpu or rotary or stores or decode or prefill or chunked or preemption or prefix" 2>&1 \
+    | tee "$LOGS/pytest_gpu.log" | grep -E "passed|failed|error|ours|Error" | tail -20
+  for run in 1 2; do
+    for tree in $trees; do
+      (cd "$tree" && python bench.py --config configs/qwen3-0.6b.json) 2>&1 | tee -a "$LOGS/bench.log" \
+        | grep Throughput | sed "s|^|$tree: |"
+    done
+  done
+fi
+if [ "$stage" = ab-profile ]; then
+  for tree in $trees; do
+    (cd "$tree" && python scripts/step_timing.py && python scripts/profile_bench.py | head -9) 2>&1 \
+      | tee -a "$LOGS/profile.log" | grep -v Loading | sed "s|^|$tree: |"
+  done
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python bench.py --config configs/qwen3-0.6b.json 2>&1 | tee "$LOGS/bench.log" | grep -v Loading

@@ -1,5 +1,6 @@
 """Decode step time at batch 1, 64 and 256 with 1K-token contexts, the decode attention kernel's
-bandwidth, and prefill tokens/s, for a Qwen3 shape with random weights (default: 0.6B, bf16).
+bandwidth, and prefill tokens/s (nothing cached; and one sequence continuing a cached prefix, as
+the later chunks of a long prompt do), for a Qwen3 shape with random weights (default: 0.6B, bf16).
 
     PYTHONPATH=. python scripts/step_timing.py --config configs/qwen3-0.6b.json
 """
@@ -11,6 +12,7 @@ import torch
 from nanovllm import LLM
 from nanovllm.engine.model_runner import StepInputs
 from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode_attention
+from nanovllm.kernels.rotary_embedding import KVStore
 from nanovllm.layers.sampler import SamplingTensors
 from nanovllm.utils.random_checkpoint import cached_random_checkpoint
 
@@ -29,16 +31,19 @@ def median_ms(fn, reps: int = 30, warmup: int = 5) -> float:
     return float(np.median(times))
 
 
-def step_inputs(num_seqs: int, context: int, block_size: int, is_prefill: bool, vocab: int) -> StepInputs:
-    """num_seqs sequences of `context` tokens in distinct blocks: prefill computes all of them,
+def step_inputs(num_seqs: int, context: int, block_size: int, is_prefill: bool, vocab: int,
+                cached: int = 0) -> StepInputs:
+    """num_seqs sequences of `context` tokens in distinct blocks: prefill computes all of them
+    (the first sequence all but its `cached` first ones, as a later chunk of a long prompt does),
     decode only the last."""
     blocks = -(-context // block_size)
     tables = np.arange(num_seqs * blocks).reshape(num_seqs, blocks)
-    q_len = context if is_prefill else 1
-    positions = np.tile(np.arange(context - q_len, context), num_seqs)
-    seq_of_token = np.repeat(np.arange(num_seqs), q_len)
+    q_lens = np.full(num_seqs, context if is_prefill else 1)
+    q_lens[0] -= cached
+    positions = np.concatenate([np.arange(context - n, context) for n in q_lens])
+    seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-    cu = np.arange(num_seqs + 1) * q_len
+    cu = np.concatenate(([0], np.cumsum(q_lens)))
     return StepInputs(is_prefill, np.random.randint(0, vocab, len(positions)), positions, slots,
                       np.full(num_seqs, context), cu, tables, cu[1:] - 1)
 
@@ -76,10 +81,12 @@ def main():
         print(f"{batch:5d} | {step_ms:8.3f} | {step_bytes / step_ms / 1e6:7.0f} | {attn_ms:.4f} (splits {splits}) "
               f"| {attn_bytes / attn_ms / 1e6:7.0f}")
 
-    for seqs, context in ((16, 1024), (4, 4096)):
-        inputs = step_inputs(seqs, context, block_size, True, vocab)
+    for seqs, context, cached in ((16, 1024, 0), (4, 4096, 0), (17, 1024, 1024 - 16)):
+        inputs = step_inputs(seqs, context, block_size, True, vocab, cached)
+        tokens = len(inputs.input_ids)
         ms = median_ms(lambda: runner.execute(inputs), reps=10, warmup=2)
-        print(f"prefill {seqs} x {context} tokens: {ms:.2f} ms = {seqs * context / ms * 1e3:,.0f} tokens/s")
+        what = f", the first {cached} of one cached" if cached else ""
+        print(f"prefill {seqs} x {context} tokens{what}: {ms:.2f} ms = {tokens / ms * 1e3:,.0f} tokens/s")
 
 
 if __name__ == "__main__":
