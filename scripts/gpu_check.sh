@@ -61,8 +61,8 @@ if [ "$stage" = ab ]; then
 fi
 if [ "$stage" = ab-profile ]; then
   for tree in $trees; do
-    (cd "$tree" && python scripts/step_timing.py && python scripts/profile_bench.py | head -9) 2>&1 \
-      | tee -a "$LOGS/profile.log" | grep -v Loading | sed "s|^|$tree: |"
+    (cd "$tree" && python scripts/step_timing.py && python scripts/profile_bench.py) 2>&1 | tee -a "$LOGS/profile.log" \
+      | grep -E "^ *[0-9]+ \||prefill|decode|workload" | sed "s|^|$tree: |"
   done
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
