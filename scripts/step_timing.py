@@ -70,16 +70,12 @@ def main():
                                    torch.randint(0, 2**62, (batch,), device="cuda"))
         step_ms = median_ms(lambda: runner.sampler(runner.execute(inputs), sampling))
         step_bytes = weight_bytes + batch * args.context * kv_bytes_per_token
-        layer, self_attn = runner.attention_layers[0], runner.model.model.layers[0].self_attn
-        qkv = torch.randn(batch, layer.num_heads + 2 * layer.num_kv_heads, layer.head_dim, device="cuda",
-                          dtype=config.torch_dtype)
-        q, k, v = qkv.split([layer.num_heads, layer.num_kv_heads, layer.num_kv_heads], dim=1)
-        rotary = self_attn.rotary_emb.with_norms(self_attn.q_norm, self_attn.k_norm)
-        kv_store = KVStore(v, layer.k_cache, layer.v_cache, torch.from_numpy(inputs.slot_mapping).cuda())
-        positions, lens = torch.from_numpy(inputs.positions).cuda(), torch.full((batch,), args.context, device="cuda")
+        layer = runner.attention_layers[0]
+        q = torch.randn(batch, layer.num_heads, layer.head_dim, device="cuda", dtype=config.torch_dtype)
+        lens = torch.full((batch,), args.context, device="cuda")
         tables = torch.from_numpy(inputs.block_tables).cuda()
         splits = decode_num_splits(batch, layer.num_kv_heads, runner.num_sms)
-        attn_ms = median_ms(lambda: paged_decode_attention(positions, q, k, rotary, kv_store, lens, tables,
+        attn_ms = median_ms(lambda: paged_decode_attention(q, layer.k_cache, layer.v_cache, lens, tables,
                                                            layer.scale, splits), reps=100)
         attn_bytes = batch * args.context * kv_bytes_per_token / hf.num_hidden_layers
         print(f"{batch:5d} | {step_ms:8.3f} | {step_bytes / step_ms / 1e6:7.0f} | {attn_ms:.4f} (splits {splits}) "

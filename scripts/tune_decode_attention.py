@@ -1,7 +1,6 @@
 """Sweep the decode attention kernel's tile, warps, pipeline stages and context splits on the
 Qwen3-0.6B attention shape (16 query heads, 8 KV heads, head_dim 128, bf16, 256-token blocks),
-with context lengths drawn uniformly from [200, 2000] as in bench.py's decode phase (the kernel
-also rotates and stores each sequence's new token, as in the engine); and time two
+with context lengths drawn uniformly from [200, 2000] as in bench.py's decode phase; and time two
 orders of the programs, and a batch with its sequences sorted longest first.
 
     PYTHONPATH=. python scripts/tune_decode_attention.py [--orders]   # --orders: the program-order comparison only
@@ -13,15 +12,11 @@ import torch
 from triton.testing import do_bench
 
 from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode_attention
-from nanovllm.kernels.rotary_embedding import KVStore, Rotary
-from nanovllm.layers.rotary import RotaryEmbedding
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 256
 
 
 def case(batch: int, generator: torch.Generator, longest_first: bool = False):
-    """The decode kernel's arguments for `batch` sequences (their new token included in the
-    lengths), and the bytes of cached K/V it reads."""
     lens = torch.randint(200, 2001, (batch,), generator=generator)
     if longest_first:
         lens = lens.sort(descending=True).values
@@ -32,21 +27,14 @@ def case(batch: int, generator: torch.Generator, longest_first: bool = False):
     for i, n in enumerate(blocks.tolist()):
         tables[i, :n] = perm[start:start + n]
         start += n
-    positions = lens - 1
-    slots = tables[torch.arange(batch), positions // BLOCK] * BLOCK + positions % BLOCK
-    k_cache = torch.randn(int(blocks.sum()), BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    qkv = torch.randn(batch, HEADS + 2 * KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    q, k, v = qkv.split([HEADS, KV_HEADS, KV_HEADS], dim=1)
-    norm = torch.ones(HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    rotary = Rotary(RotaryEmbedding(HEAD_DIM, 4096, 1e6).cos_sin_cache.cuda(), (norm, norm))
-    args = dict(positions=positions.cuda(), q=q, k=k, rotary=rotary,
-                kv_store=KVStore(v, k_cache, torch.randn_like(k_cache), slots.cuda()),
-                context_lens=lens.cuda(), block_tables=tables.cuda(), scale=HEAD_DIM ** -0.5)
-    return args, int(positions.sum()) * KV_HEADS * HEAD_DIM * 2 * 2
+    k = torch.randn(int(blocks.sum()), BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    return q, k, torch.randn_like(k), lens.cuda(), tables.cuda(), int(lens.sum()) * KV_HEADS * HEAD_DIM * 2 * 2
 
 
-def bandwidth(args, nbytes, **knobs) -> tuple[float, float]:
-    ms = do_bench(lambda: paged_decode_attention(**args, **knobs), warmup=25, rep=100, return_mode="median")
+def bandwidth(q, k, v, lens, tables, nbytes, **knobs) -> tuple[float, float]:
+    ms = do_bench(lambda: paged_decode_attention(q, k, v, lens, tables, HEAD_DIM ** -0.5, **knobs),
+                  warmup=25, rep=100, return_mode="median")
     return ms, nbytes / ms / 1e6
 
 

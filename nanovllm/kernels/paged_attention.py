@@ -6,17 +6,14 @@ Cache layout: [num_blocks, block_size, num_kv_heads, head_dim].
 
 The decode kernel gives one program to each (sequence, KV head, context split): it loads every
 K/V tile once for all query heads of its group, and long contexts can be split over several
-programs whose partial results a second kernel combines (flash-decoding). It also does the rotary
-kernel's work for its token (q/k norm, rotary, the KV-cache store), so a decode layer launches one
-kernel between its projections, not two. The prefill kernel gives one program to each (query tile,
-sequence, head).
+programs whose partial results a second kernel combines (flash-decoding). The prefill kernel gives
+one program to each (query tile, sequence, head).
 """
 import math
 
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.rotary_embedding import KVStore, Rotary, apply_rotary_ref, normed_rotated
 from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
 
 
@@ -48,78 +45,62 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, eps, slot_ptr,
-                   k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                   out_ptr, part_out_ptr, part_lse_ptr, scale_log2e, stride_q_seq, stride_k_seq, stride_v_seq,
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+                   out_ptr, part_out_ptr, part_lse_ptr, scale_log2e, stride_q_seq, stride_q_head,
                    stride_out_seq, stride_out_head, stride_cache_block, stride_cache_token, stride_bt,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, NORM: tl.constexpr, PRECISION: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
                    HEADS_FASTEST: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     if HEADS_FASTEST:   # the KV heads of one token are adjacent in memory: read them together
         kv_head, split, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     else:
         seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    num_cached = tl.load(context_lens_ptr + seq) - 1   # the new token's key is not in the cache yet
-    num_tiles = tl.cdiv(num_cached, BLOCK_N)
+    context_len = tl.load(context_lens_ptr + seq)
+    num_tiles = tl.cdiv(context_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     first_tile = split * tiles_per_split
     last_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
 
     g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + g
     head_mask = g < GROUP
-    pos = tl.load(positions_ptr + seq)
-    q = normed_rotated(q_ptr, seq * stride_q_seq + heads[:, None] * HEAD_DIM, head_mask[:, None], pos,
-                       cos_sin_ptr, q_weight_ptr, eps, HEAD_DIM, NORM)
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
+                mask=head_mask[:, None] & d_mask[None, :], other=0.0)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for tile in range(first_tile, last_tile):
         token = tile * BLOCK_N               # a tile never straddles a block: BLOCK_SIZE % BLOCK_N == 0
         block = tl.load(block_tables_ptr + seq * stride_bt + token // BLOCK_SIZE).to(tl.int64)
-        valid = token + n < num_cached
+        valid = token + n < context_len
         offs = (block * stride_cache_block + (token % BLOCK_SIZE + n)[:, None] * stride_cache_token
                 + kv_head * HEAD_DIM + d[None, :])
-        k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
-        v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
-    # after the loop, so the cache reads start as early as they did before this kernel rotated
-    if split == NUM_SPLITS - 1:   # the last split also owns the new token: cache its key and value, attend to it
-        k_new = normed_rotated(k_ptr, seq * stride_k_seq + kv_head * HEAD_DIM + tl.zeros([1, 1], tl.int32),
-                               tl.full([1, 1], True, tl.int1), pos, cos_sin_ptr, k_weight_ptr, eps, HEAD_DIM, NORM)
-        v_new = tl.load(v_ptr + seq * stride_v_seq + kv_head * HEAD_DIM + d)
-        slot = tl.load(slot_ptr + seq).to(tl.int64)
-        if slot >= 0:
-            offs = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_token
-            tl.store(k_cache_ptr + offs + kv_head * HEAD_DIM + d[None, :], k_new)
-            tl.store(v_cache_ptr + offs + kv_head * HEAD_DIM + d, v_new)
-        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2e
-        m_new = tl.maximum(m, s_new)
-        alpha = tl.exp2(m - m_new)
-        p_new = tl.exp2(s_new - m_new)
-        l = l * alpha + p_new
-        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
-        m = m_new
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    out_mask = head_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         tl.store(out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         row = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=head_mask[:, None])
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=out_mask)
         tl.store(part_lse_ptr + row, m + tl.log2(l), mask=head_mask)
 
 
@@ -150,22 +131,15 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     return max(1, min(16, -(-4 * num_sms // (num_seqs * num_kv_heads))))
 
 
-def paged_decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rotary: Rotary,
-                           kv_store: KVStore, context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                            num_splits: int = 1, tile_tokens: int = 128, num_warps: int = 4,
                            num_stages: int = 2, heads_fastest: bool = True) -> torch.Tensor:
-    """One new token per sequence: q [num_seqs, num_heads, head_dim] and k [num_seqs, num_kv_heads,
-    head_dim] straight from the projection. The kernel normalises and rotates them as apply_rotary
-    does, writes the new key and kv_store.value to their slots, and attends over the context_len
-    keys (the cached ones and the new one). One kernel instead of two: decode steps are bound by
-    per-kernel latency. tile_tokens, num_warps, num_stages and the program order are tuning knobs
+    """q: [num_seqs, num_heads, head_dim], one new token per sequence (already in the cache).
+    tile_tokens, num_warps, num_stages and the program order are tuning knobs
     (scripts/tune_decode_attention.py sweeps them)."""
     num_seqs, num_heads, head_dim = q.shape
-    value, k_cache, v_cache, slot_mapping = kv_store
     _, block_size, num_kv_heads, _ = k_cache.shape
-    assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
-    assert q.stride(2) == k.stride(2) == value.stride(2) == 1 and q.stride(1) == k.stride(1) == head_dim
-    assert value.stride(1) == head_dim and k_cache.shape[2:] == k.shape[1:] and k_cache.stride(3) == 1
     group = num_heads // num_kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_splits > 1:
@@ -173,32 +147,22 @@ def paged_decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Te
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out   # unused
-    q_weight, k_weight = rotary.norm_weights if rotary.norm_weights is not None else (q, k)   # unused
+    block_d = triton.next_power_of_2(head_dim)
     grid = (num_kv_heads, num_splits, num_seqs) if heads_fastest else (num_seqs, num_kv_heads, num_splits)
     _decode_kernel[grid](
-        q, k, value, positions, rotary.cos_sin_cache, q_weight, k_weight, rotary.eps, slot_mapping,
-        k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, scale * math.log2(math.e),
-        q.stride(0), k.stride(0), value.stride(0), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), NUM_HEADS=num_heads, GROUP=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_N=min(tile_tokens, block_size), NUM_SPLITS=num_splits, NORM=rotary.norm_weights is not None,
-        PRECISION=_dot_precision(q.dtype), HEADS_FASTEST=heads_fastest,
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=min(tile_tokens, block_size),
+        NUM_SPLITS=num_splits, PRECISION=_dot_precision(q.dtype), HEADS_FASTEST=heads_fastest,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(q))
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=head_dim,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), **pdl_launch(q))
     return out
-
-
-def paged_decode_attention_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rotary: Rotary,
-                               kv_store: KVStore, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-    """Torch twin of paged_decode_attention: rotate and store, then attend."""
-    q, _ = apply_rotary_ref(positions, q, k, *rotary, kv_store)
-    cu_seqlens_q = torch.arange(q.shape[0] + 1, device=q.device)
-    return paged_attention_ref(q, kv_store.k_cache, kv_store.v_cache, cu_seqlens_q, context_lens, block_tables, scale)
 
 
 @triton.jit
@@ -207,17 +171,14 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_l
                     stride_cache_block, stride_cache_token, stride_bt,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PRECISION: tl.constexpr, ONLY_CACHED: tl.constexpr):
+                    PRECISION: tl.constexpr):
     tile_m = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    context_len = tl.load(context_lens_ptr + seq)
-    todo = tile_m * BLOCK_M < q_len
-    if ONLY_CACHED:
-        todo = todo & (context_len > q_len)
-    if todo:
+    if tile_m * BLOCK_M < q_len:
+        context_len = tl.load(context_lens_ptr + seq)
         kv_head = head // GROUP
         m_idx = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, BLOCK_D)
@@ -256,15 +217,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_l
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, max_seqlen_q: int, context_lens: torch.Tensor,
-                            block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [num_tokens, num_heads, head_dim] packed by sequence; their K/V are already in the cache.
-    Given out, whose rows already hold the attention of the sequences with nothing cached (a fused
-    varlen kernel does those faster), only the rows of the other sequences are written."""
+                            block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim] packed by sequence; their K/V are already in the cache."""
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = k_cache.shape
-    only_cached = out is not None
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
     block_m = 64 if block_d <= 64 else 32 if q.dtype == torch.float32 else 64
     grid = (triton.cdiv(max_seqlen_q, block_m), context_lens.shape[0], num_heads)
@@ -273,5 +230,5 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=min(32 if q.dtype == torch.float32 else 64, block_size),
-        PRECISION=_dot_precision(q.dtype), ONLY_CACHED=only_cached, num_warps=4)
+        PRECISION=_dot_precision(q.dtype), num_warps=4)
     return out

@@ -23,14 +23,6 @@ class KVStore(NamedTuple):
     slot_mapping: torch.Tensor   # [tokens]
 
 
-class Rotary(NamedTuple):
-    """How queries and keys are prepared for attention: the cos/sin table, and the per-head RMSNorm
-    weights (q weight, k weight) applied before rotating, if any."""
-    cos_sin_cache: torch.Tensor  # [max_position, head_dim] float32
-    norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None
-    eps: float = 1e-6
-
-
 def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     valid = slot_mapping >= 0
@@ -59,53 +51,56 @@ def apply_rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
 
 @triton.jit
-def normed_rotated(ptr, offs, mask, pos, cos_sin_ptr, weight_ptr, eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
-    """Heads at ptr + offs + [0, HEAD_DIM) (offs: [heads, 1]), each RMS-normalised with weight_ptr
-    when NORM, rotated to position pos; returned in the storage dtype. Element d pairs with
-    d +- HEAD_DIM/2, so the rotation needs no split into halves: y = x cos + partner (-+sin)."""
-    dtype = ptr.dtype.element_ty
-    d = tl.arange(0, HEAD_DIM)
-    half = d % (HEAD_DIM // 2)
-    partner = (d + HEAD_DIM // 2) % HEAD_DIM
-    x = tl.load(ptr + offs + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    x_partner = tl.load(ptr + offs + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+def _rotate_heads(x_ptr, weight_ptr, eps, stride_token, token, cos, sin, NUM_HEADS: tl.constexpr,
+                  BLOCK_H: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+    """Rotate (after normalising) the heads of one token in place; returns the two rotated halves."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HALF)
+    offs = token * stride_token + h[:, None] * (2 * HALF) + d[None, :]
+    mask = (h < NUM_HEADS)[:, None]
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
     if NORM:   # rounded where rms_norm rounds, so the fused pass equals norm-then-rotate
-        r = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
-        w = tl.load(weight_ptr + d).to(tl.float32)[None, :]
-        w_partner = tl.load(weight_ptr + partner).to(tl.float32)[None, :]
-        x = (w * (x * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        x_partner = (w_partner * (x_partner * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + half)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HEAD_DIM // 2 + half)[None, :]
-    return (x * cos + x_partner * tl.where(d < HEAD_DIM // 2, -sin, sin)).to(dtype)
+        dtype = x_ptr.dtype.element_ty
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(weight_ptr + d).to(tl.float32)[None, :]
+        w2 = tl.load(weight_ptr + HALF + d).to(tl.float32)[None, :]
+        x1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    y1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
+    y2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
+    tl.store(x_ptr + offs, y1, mask=mask)
+    tl.store(x_ptr + offs + HALF, y2, mask=mask)
+    return y1, y2
 
 
 @triton.jit
 def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cache_ptr, q_weight_ptr, k_weight_ptr, eps, stride_q, stride_k,
                    v_ptr, stride_v, k_cache_ptr, v_cache_ptr, slot_ptr,
                    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, BLOCK_QH: tl.constexpr,
-                   BLOCK_KH: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
+                   BLOCK_KH: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
                    PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     token = tl.program_id(0)
     pos = tl.load(positions_ptr + token)
-    d = tl.arange(0, HEAD_DIM)[None, :]
-    qh = tl.arange(0, BLOCK_QH)[:, None]
-    kh = tl.arange(0, BLOCK_KH)[:, None]
-    q_offs, k_offs = token * stride_q + qh * HEAD_DIM, token * stride_k + kh * HEAD_DIM
-    q_mask, k_mask = qh < NUM_Q_HEADS, kh < NUM_K_HEADS
-    q = normed_rotated(q_ptr, q_offs, q_mask, pos, cache_ptr, q_weight_ptr, eps, HEAD_DIM, NORM)
-    k = normed_rotated(k_ptr, k_offs, k_mask, pos, cache_ptr, k_weight_ptr, eps, HEAD_DIM, NORM)
-    tl.debug_barrier()   # in place: other threads read our elements as their rotation partners
-    tl.store(q_ptr + q_offs + d, q, mask=q_mask)
-    tl.store(k_ptr + k_offs + d, k, mask=k_mask)
+    d = tl.arange(0, HALF)
+    cos = tl.load(cache_ptr + pos * (2 * HALF) + d)[None, :]
+    sin = tl.load(cache_ptr + pos * (2 * HALF) + HALF + d)[None, :]
+    _rotate_heads(q_ptr, q_weight_ptr, eps, stride_q, token, cos, sin, NUM_Q_HEADS, BLOCK_QH, HALF, NORM)
+    k1, k2 = _rotate_heads(k_ptr, k_weight_ptr, eps, stride_k, token, cos, sin, NUM_K_HEADS, BLOCK_KH, HALF, NORM)
     if STORE:
         slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:
-            cache_offs = slot * (NUM_K_HEADS * HEAD_DIM) + kh * HEAD_DIM + d
-            tl.store(k_cache_ptr + cache_offs, k, mask=k_mask)
-            tl.store(v_cache_ptr + cache_offs, tl.load(v_ptr + token * stride_v + kh * HEAD_DIM + d, mask=k_mask),
-                     mask=k_mask)
+            h = tl.arange(0, BLOCK_KH)
+            mask = (h < NUM_K_HEADS)[:, None]
+            row = h[:, None] * (2 * HALF) + d[None, :]
+            cache_offs = slot * (NUM_K_HEADS * 2 * HALF) + row
+            tl.store(k_cache_ptr + cache_offs, k1, mask=mask)
+            tl.store(k_cache_ptr + cache_offs + HALF, k2, mask=mask)
+            v1 = tl.load(v_ptr + token * stride_v + row, mask=mask)
+            v2 = tl.load(v_ptr + token * stride_v + row + HALF, mask=mask)
+            tl.store(v_cache_ptr + cache_offs, v1, mask=mask)
+            tl.store(v_cache_ptr + cache_offs + HALF, v2, mask=mask)
 
 
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -127,6 +122,6 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
         positions, q, k, cos_sin_cache, q_weight, k_weight, eps, q.stride(0), k.stride(0),
         value, value.stride(0), k_cache, v_cache, slots,
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, BLOCK_QH=triton.next_power_of_2(num_q_heads),
-        BLOCK_KH=triton.next_power_of_2(num_k_heads), HEAD_DIM=head_dim, NORM=norm_weights is not None,
+        BLOCK_KH=triton.next_power_of_2(num_k_heads), HALF=head_dim // 2, NORM=norm_weights is not None,
         STORE=kv_store is not None, **pdl_launch(q))
     return q, k

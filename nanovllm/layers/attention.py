@@ -1,11 +1,10 @@
 """Attention over the paged KV cache, and the choice of the backend that computes it.
 
-The layer hands the backend q, k and v straight from the projection, with the rotation that
-prepares q and k (Qwen3's per-head norms, then rotary). The backend rotates, writes the new keys and
-values into the cache at their slots and attends; where it can, one kernel does several of these.
-A backend answers three cases: a plain prefill (no key comes from an earlier step), a prefill whose
-keys include cached blocks (prefix-cache hits, later chunks of a long prompt), and decode (one
-query per sequence).
+Each step first writes the new tokens' keys and values into the cache at their slots (the rotary
+kernel does it as it rotates the keys: the model passes it `Attention.kv_store(v)`), then attends.
+A backend answers three cases: a plain prefill (no key comes from an earlier step), a
+prefill whose keys include cached blocks (prefix-cache hits, later chunks of a long prompt), and
+decode (one query per sequence).
 """
 import inspect
 
@@ -13,9 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels.paged_attention import (paged_attention_ref, paged_decode_attention, paged_decode_attention_ref,
-                                              paged_prefill_attention)
-from nanovllm.kernels.rotary_embedding import KVStore, Rotary, apply_rotary, apply_rotary_ref
+from nanovllm.kernels.paged_attention import paged_attention_ref, paged_decode_attention, paged_prefill_attention
+from nanovllm.kernels.rotary_embedding import KVStore
 from nanovllm.utils.context import AttentionContext, get_context
 
 try:
@@ -26,44 +24,30 @@ except ImportError:   # torch < 2.10
 
 
 class AttentionBackend:
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Rotary,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext, scale: float) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, ctx: AttentionContext, scale: float) -> torch.Tensor:
         raise NotImplementedError
-
-
-def rotate_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Rotary,
-                     k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext):
-    """Rotated q and k; the rotated keys and v written to their cache slots, except during the
-    memory-profiling warm-up, which runs before the cache exists."""
-    kv_store = KVStore(v, k_cache, v_cache, ctx.slot_mapping) if k_cache.numel() else None
-    rotate = apply_rotary if q.is_cuda else apply_rotary_ref
-    return rotate(positions, q, k, *rotary, kv_store)
 
 
 class TorchAttention(AttentionBackend):
     """The CPU path: torch reference twins of the kernels over the same paged cache."""
 
-    def forward(self, positions, q, k, v, rotary, k_cache, v_cache, ctx, scale):
-        if not ctx.is_prefill:
-            return paged_decode_attention_ref(positions, q, k, rotary, KVStore(v, k_cache, v_cache, ctx.slot_mapping),
-                                              ctx.context_lens, ctx.block_tables, scale)
-        q, k = rotate_and_store(positions, q, k, v, rotary, k_cache, v_cache, ctx)
-        return paged_attention_ref(q, k_cache, v_cache, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables, scale)
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale):
+        cu_seqlens_q = ctx.cu_seqlens_q if ctx.is_prefill else torch.arange(q.shape[0] + 1)
+        return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, ctx.context_lens, ctx.block_tables, scale)
 
 
 class TritonAttention(AttentionBackend):
-    """The GPU default: Triton paged kernels, PyTorch's fused attention for what is not cached."""
+    """The GPU default: Triton paged kernels, PyTorch's fused attention for plain prefills."""
 
-    def forward(self, positions, q, k, v, rotary, k_cache, v_cache, ctx, scale):
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale):
         if not ctx.is_prefill:
-            return paged_decode_attention(positions, q, k, rotary, KVStore(v, k_cache, v_cache, ctx.slot_mapping),
-                                          ctx.context_lens, ctx.block_tables, scale, ctx.num_splits)
-        q, k = rotate_and_store(positions, q, k, v, rotary, k_cache, v_cache, ctx)
-        out = causal_varlen_attention(q, k, v, ctx.cu_seqlens_q, ctx.max_seqlen_q, scale)
-        if ctx.has_cached_context:   # redo, over the cache, only the sequences whose keys include cached ones
-            paged_prefill_attention(q, k_cache, v_cache, ctx.cu_seqlens_q, ctx.max_seqlen_q, ctx.context_lens,
-                                    ctx.block_tables, scale, out=out)
-        return out
+            return paged_decode_attention(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables,
+                                          scale, ctx.num_splits)
+        if ctx.has_cached_context:
+            return paged_prefill_attention(q, k_cache, v_cache, ctx.cu_seqlens_q, ctx.max_seqlen_q,
+                                           ctx.context_lens, ctx.block_tables, scale)
+        return causal_varlen_attention(q, k, v, ctx.cu_seqlens_q, ctx.max_seqlen_q, scale)
 
 
 class FlashAttnAttention(TritonAttention):
@@ -74,13 +58,12 @@ class FlashAttnAttention(TritonAttention):
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
         self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
 
-    def forward(self, positions, q, k, v, rotary, k_cache, v_cache, ctx, scale):
-        if ctx.has_cached_context or (not ctx.is_prefill and k_cache.shape[1] % 256):
-            return super().forward(positions, q, k, v, rotary, k_cache, v_cache, ctx, scale)
-        q, k = rotate_and_store(positions, q, k, v, rotary, k_cache, v_cache, ctx)
-        if ctx.is_prefill:
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale):
+        if ctx.is_prefill and not ctx.has_cached_context:
             return self.varlen(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_q, ctx.max_seqlen_q, ctx.max_seqlen_q,
                                softmax_scale=scale, causal=True)
+        if ctx.is_prefill or k_cache.shape[1] % 256:
+            return super().forward(q, k, v, k_cache, v_cache, ctx, scale)
         return self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens,
                                  block_table=ctx.block_tables, softmax_scale=scale, causal=True).squeeze(1)
 
@@ -131,9 +114,15 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)
         self.backend: AttentionBackend = TorchAttention()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                rotary: Rotary) -> torch.Tensor:
-        """q: [tokens, heads, head_dim], k/v: [tokens, kv_heads, head_dim] from the projection,
-        before rotary -> [tokens, heads * head_dim]."""
-        o = self.backend.forward(positions, q, k, v, rotary, self.k_cache, self.v_cache, get_context(), self.scale)
+    def kv_store(self, v: torch.Tensor) -> KVStore | None:
+        """Where this step's keys and values v go; None during the memory-profiling warm-up, which
+        runs before the cache exists."""
+        if not self.k_cache.numel():
+            return None
+        return KVStore(v, self.k_cache, self.v_cache, get_context().slot_mapping)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [tokens, heads, head_dim], k/v: [tokens, kv_heads, head_dim], already in the cache
+        (see kv_store) -> [tokens, heads * head_dim]."""
+        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, get_context(), self.scale)
         return o.flatten(1, 2)

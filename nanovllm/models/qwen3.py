@@ -1,7 +1,7 @@
 """Qwen3, written by hand: embedding, N decoder layers, final norm, LM head.
 
-Each decoder layer: RMSNorm -> attention (q/k RMSNorm per head, rotary, the KV-cache store and
-grouped-query attention over the paged cache, fused by the attention backend) -> residual -> RMSNorm -> SwiGLU MLP -> residual.
+Each decoder layer: RMSNorm -> attention (q/k RMSNorm per head, rotary and the KV-cache store in one
+pass, grouped-query attention over the paged cache) -> residual -> RMSNorm -> SwiGLU MLP -> residual.
 The residual adds are fused into the following norm.
 """
 import torch
@@ -34,8 +34,8 @@ class Qwen3Attention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states).view(hidden_states.shape[0], -1, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        rotary = self.rotary_emb.with_norms(self.q_norm, self.k_norm)
-        return self.o_proj(self.attn(positions, q, k, v, rotary))
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm, kv_store=self.attn.kv_store(v))
+        return self.o_proj(self.attn(q, k, v))
 
 
 class Qwen3MLP(nn.Module):
