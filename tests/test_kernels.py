@@ -266,6 +266,24 @@ def test_paged_prefill_attention_over_cached_prefix(block_size, head_dim, num_kv
         assert_close(ref[start:end], dense_attention(q[start:end], k, v, scale), dtype)
 
 
+@needs_triton
+@pytest.mark.parametrize("tile", [(16, 16, 4, 2), (16, 64, 4, 3), (64, 16, 4, 3), (32, 32, 8, 4)], ids=str)
+def test_paged_prefill_attention_any_tile(tile):
+    """The split between keys every query of a tile sees and the diagonal holds whichever of the
+    query tile and the key step is larger."""
+    chunks = [(0, 5), (8, 40), (48, 70), (15, 1), (100, 17)]
+    context_lens = [cached + q_len for cached, q_len in chunks]
+    k_cache, v_cache, block_tables, _ = make_paged_cache(context_lens, 64, 2, 64, torch.float32)
+    q_lens = [q_len for _, q_len in chunks]
+    cu_seqlens_q = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).int()
+    _, q, _, _ = packed_qkv(sum(q_lens), 4, 2, 64, torch.float32)
+    lens = torch.tensor(context_lens, device=DEVICE)
+
+    out = paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, max(q_lens), lens, block_tables, 0.125, tile)
+
+    assert_close(out, paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, lens, block_tables, 0.125), torch.float32)
+
+
 # ---------------------------------------------------------------- RMSNorm
 
 RMS_SMALL = [(37, 1000), (130, 64), (3, 4096)]   # rows: tokens, N: hidden size
