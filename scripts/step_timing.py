@@ -12,7 +12,6 @@ import torch
 from nanovllm import LLM
 from nanovllm.engine.model_runner import StepInputs
 from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode_attention
-from nanovllm.kernels.rotary_embedding import KVStore
 from nanovllm.layers.sampler import SamplingTensors
 from nanovllm.utils.random_checkpoint import cached_random_checkpoint
 
