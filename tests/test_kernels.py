@@ -11,7 +11,7 @@ import torch
 from nanovllm.kernels.paged_attention import (decode_num_splits, paged_attention_ref, paged_decode_attention,
                                               paged_prefill_attention)
 from nanovllm.kernels.rms_norm import rms_norm, rms_norm_ref
-from nanovllm.kernels.rotary_embedding import KVStore, apply_rotary, apply_rotary_ref, store_kvcache_ref
+from nanovllm.kernels.rotary_embedding import KVStore, apply_rotary, apply_rotary_ref
 from nanovllm.kernels.sampling import CHUNK, gumbel_argmax, gumbel_argmax_ref
 from nanovllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 from nanovllm.kernels.triton_compat import HAS_TRITON
