@@ -236,7 +236,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_l
 
 def prefill_tile(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
     """(query rows, keys per step, warps, pipeline stages) of the prefill kernel. For 16-bit values
-    scripts/tune_prefill_attention.py found 64 x 64 with 4 warps within 3% of the best tile on an H100
+    scripts/tune_prefill_attention.py found 64 x 64 with 4 warps within 5% of the best tile on an H100
     (128-row tiles and 8 warps were slower); float32 (the tiny test models) keeps smaller tiles."""
     if dtype == torch.float32:
         return (64 if head_dim <= 64 else 32), 32, 4, 3
