@@ -17,7 +17,7 @@ KERNEL_GROUPS = [("attention", ("_decode_kernel", "_combine_splits", "_prefill_k
                                  "fmha", "cutlass::fmha")),
                  ("rms norm", ("_rms_norm",)), ("q/k norm, rotary, KV store", ("_rotary",)),
                  ("silu*mul", ("_silu_and_mul",)), ("GEMM", ("gemm", "cutlass", "sm90", "nvjet", "cublas")),
-                 ("sampler", ("_gumbel_argmax", "softmax", "argmax", "gather"))]
+                 ("sampler", ("_chunk_summary", "_pick_token", "softmax", "argmax", "gather"))]
 
 
 def main():

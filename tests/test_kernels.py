@@ -5,6 +5,8 @@ TRITON_INTERPRET=1 and a small matrix runs in Triton's interpreter, float32 and 
 Fresh outputs and unused cache slots hold NaN, so a kernel that skips a write or reads past a
 sequence's context fails.
 """
+import math
+
 import pytest
 import torch
 
@@ -467,6 +469,31 @@ def test_gumbel_argmax_samples_softmax_of_scaled_scores():
         frequencies = torch.bincount(tokens, minlength=8).double() / rows
         assert frequencies[7] == 0                            # a -inf score is never drawn
         assert ((frequencies - expected).abs() <= bound).all(), (frequencies, expected)
+
+
+@needs_triton
+def test_gumbel_argmax_draws_each_chunk_with_its_share():
+    """Chunk 0 holds CHUNK equal scores, chunk 1 one token as likely as all of them together, chunk 2
+    one token twice as likely; the rest is -inf. Draws must land in the chunks a quarter, a quarter
+    and half of the time, and spread over chunk 0. Scores and temperature are halved together, so
+    the probabilities stay those and the temperature must be applied in both stages."""
+    rows, vocab, temperature = 300, 3 * CHUNK + 100, 0.5
+    logits = torch.full((vocab,), float("-inf"))
+    logits[:CHUNK] = 0.0
+    logits[CHUNK + 17] = math.log(CHUNK)
+    logits[2 * CHUNK + 5] = math.log(2 * CHUNK)
+    scores = (logits * temperature).expand(rows, -1).contiguous().to(DEVICE)
+    tokens = gumbel_argmax(scores, torch.full((rows,), temperature, device=DEVICE),
+                           torch.arange(rows, device=DEVICE) * 7919).cpu()
+
+    expected = torch.tensor([0.25, 0.25, 0.5], dtype=torch.float64)
+    frequencies = torch.bincount(tokens // CHUNK, minlength=4).double() / rows
+    bound = 4 * (expected * (1 - expected) / rows).sqrt() + 0.01   # ~4 standard deviations
+    assert frequencies[3] == 0 and ((frequencies[:3] - expected).abs() <= bound).all(), frequencies
+    assert set(tokens[tokens // CHUNK == 1].tolist()) == {CHUNK + 17}
+    assert set(tokens[tokens // CHUNK == 2].tolist()) == {2 * CHUNK + 5}
+    in_first = tokens[tokens < CHUNK]
+    assert len(set(in_first.tolist())) >= 0.9 * len(in_first)       # spread: ~1 repeat expected in ~75 draws
 
 
 @needs_triton
