@@ -1,7 +1,7 @@
 """Turns one row of logits per sequence into the next token, on the device that holds the logits.
 
 Filters apply in the order temperature, min_p, top_k, top_p, each on what the previous one left.
-Without filters a row is sampled straight from its logits by one Gumbel-max pass
+Without filters a row is sampled straight from its logits by Gumbel-max
 (kernels/sampling.py); with filters the kept probabilities are computed first and sampled the
 same way. Each row's noise comes from its own seed, so a seeded request gets the same tokens
 whatever else is in the batch.
