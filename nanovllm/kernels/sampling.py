@@ -16,7 +16,7 @@ import torch
 
 from nanovllm.kernels.triton_compat import libdevice, pdl_launch, tl, triton, wait_for_previous_kernel
 
-CHUNK = 4096   # vocabulary entries per program; each writes its best (score, index)
+CHUNK = 4096   # vocabulary entries per program of the first pass; each writes its sum and its best index
 
 
 def gumbel_argmax_ref(scores: torch.Tensor, temperatures: torch.Tensor, seeds: list[int]) -> torch.Tensor:
