@@ -224,6 +224,8 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
         """Run the model on one step's inputs; logits of the sampled rows (on rank 0)."""
         num_tokens = len(inputs.input_ids)
+        if len(inputs.block_copies):    # copy-on-write of blocks shared by forked sequences
+            self.kv_cache.copy_blocks(self._host_to_device(inputs.block_copies))
         graph_size = self.graphs.size_for(inputs) if self.graphs else 0
         if graph_size:
             hidden = self.graphs.replay(inputs, graph_size, self.read_pending_tokens)
