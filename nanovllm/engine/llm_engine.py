@@ -30,7 +30,7 @@ class LLMEngine:
         self.in_flight: LaunchedStep | None = None
         self.num_prefill_tokens = self.num_decode_tokens = 0   # of the last step, for the progress bar
         capacity = self.model_runner.num_kvcache_blocks * config.kvcache_block_size
-        print(f"nanovllm: {config.hf_config.num_hidden_layers}-layer Qwen3 on {config.device} "
+        print(f"nanovllm: {config.model_config.num_layers}-layer {config.model_config.architecture} on {config.device} "
               f"({str(config.torch_dtype).removeprefix('torch.')}), KV cache {self.model_runner.num_kvcache_blocks} "
               f"blocks x {config.kvcache_block_size} tokens = {capacity} tokens")
 

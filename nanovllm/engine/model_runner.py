@@ -26,7 +26,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.kernels.paged_attention import decode_num_splits
 from nanovllm.layers.attention import Attention, choose_attention_backend
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
-from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.registry import build_model
 from nanovllm.utils.context import AttentionContext, set_context
 from nanovllm.utils.loader import load_model
 
@@ -107,9 +107,8 @@ class ModelRunner:
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
             dist.init_process_group("nccl" if self.is_cuda else "gloo", init_method=init_method,
                                     world_size=self.world_size, rank=rank, timeout=timedelta(minutes=10))
-        hf_config = config.hf_config
         with torch.device(self.device), default_dtype(config.torch_dtype):
-            self.model = Qwen3ForCausalLM(hf_config)
+            self.model = build_model(config.model_config)
         load_model(self.model, config.model)
         self.model.eval()
         if conn is not None:
