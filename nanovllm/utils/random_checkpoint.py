@@ -7,6 +7,7 @@ Weights are drawn so that a random model still behaves like a trained one where 
 testing: projections keep activations at unit scale, norm weights are far from 1 (a misplaced
 norm changes the output), and the logits are spread out (greedy choices are not near-ties).
 """
+import copy
 import hashlib
 import json
 import os
@@ -42,7 +43,7 @@ to read.
 
 def config_from_dict(values: dict) -> PretrainedConfig:
     """A config of the family that `architectures` (or `model_type`) names, as config.json would load."""
-    values = dict(values)
+    values = copy.deepcopy(values)   # transformers writes into nested dicts such as rope_scaling
     model_type = values.pop("model_type", None)
     if model_type is None:
         architecture = (values.get("architectures") or [None])[0]
