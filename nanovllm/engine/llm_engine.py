@@ -59,7 +59,7 @@ class LLMEngine:
         self.detokenizers: dict[tuple[Hashable, int], IncrementalDetokenizer] = {}
         self.num_prefill_tokens = self.num_decode_tokens = 0   # of the last step, for the progress bar
         capacity = self.model_runner.num_kvcache_blocks * config.kvcache_block_size
-        print(f"nanovllm: {config.hf_config.num_hidden_layers}-layer Qwen3 on {config.device} "
+        print(f"nanovllm: {config.model_config.num_layers}-layer {config.model_config.architecture} on {config.device} "
               f"({str(config.torch_dtype).removeprefix('torch.')}), KV cache {self.model_runner.num_kvcache_blocks} "
               f"blocks x {config.kvcache_block_size} tokens = {capacity} tokens")
 
@@ -104,7 +104,7 @@ class LLMEngine:
         if len(token_ids) >= limit:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len={limit} allows at most "
                              f"{limit - 1} so that at least one token can be generated")
-        vocab_size = self.config.hf_config.vocab_size
+        vocab_size = self.config.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
@@ -115,7 +115,7 @@ class LLMEngine:
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         sampling_params.validate()
-        vocab_size = self.config.hf_config.vocab_size
+        vocab_size = self.config.model_config.vocab_size
         bad = [t for t in sampling_params.stop_token_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
