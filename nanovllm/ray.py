@@ -26,8 +26,8 @@ from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.validation import check_int, check_number
 
-# A replica sends what it finished at most this often, so the driver's bar moves without a
-# Ray object per finished request.
+# After its first outputs, a replica sends what it finished at most this often, so the driver's
+# bar moves without a Ray object per finished request.
 REPORT_INTERVAL_S = 0.25
 # How long `shutdown` lets replicas stop their engines (and tensor-parallel workers) before killing them.
 GRACEFUL_STOP_S = 30.0
@@ -52,7 +52,7 @@ class EngineReplica:
         as they finish. Requests left behind by a cancelled call finish unseen in the next one."""
         index_of = {self.llm.add_request(token_ids, params): index for index, token_ids, params in requests}
         finished: list[tuple[int, dict]] = []
-        remaining, last_report = len(index_of), time.monotonic()
+        remaining, last_report = len(index_of), float("-inf")     # the first finished go at once
         while remaining:
             for output in self.llm.step():
                 index = index_of.pop(output["request_id"], None)
