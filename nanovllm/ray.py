@@ -130,7 +130,10 @@ class RayLLM:
                  prefix_length: int | None = None, placement_timeout_s: float = 300.0,
                  ray_init_args: dict | None = None, **engine_args):
         check_int("num_replicas", num_replicas, 1)
-        prefix_length = engine_args.get("kvcache_block_size", 256) if prefix_length is None else prefix_length
+        if not os.path.isdir(os.path.expanduser(str(model))):
+            raise ValueError(f"model must be a checkpoint directory (on the driver and on every node), got {model!r}")
+        if prefix_length is None:
+            prefix_length = engine_args.get("kvcache_block_size", Config.kvcache_block_size)
         check_int("prefix_length", prefix_length, 1)
         check_number("placement_timeout_s", placement_timeout_s, 0.0, low_open=True)
         check_int("tensor_parallel_size", engine_args.get("tensor_parallel_size", 1), 1)
@@ -144,11 +147,15 @@ class RayLLM:
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model)
             engine_args = self._place_replicas(num_replicas, engine_args, placement_timeout_s)
-            configs = ray.get([r.load.remote(self.model, engine_args) for r in self.replicas])
+            loading = [r.load.remote(self.model, engine_args) for r in self.replicas]
+            for i, ref in enumerate(loading):
+                try:
+                    self.config = ray.get(ref)
+                except RayActorError as error:
+                    raise RuntimeError(f"replica {i} died while loading {self.model}: {error}") from error
         except BaseException:
             self.shutdown()
             raise
-        self.config = configs[0]
         self.encoder = _PromptEncoder(self.tokenizer, self.config)
 
     def _place_replicas(self, num_replicas: int, engine_args: dict, timeout_s: float) -> dict:

@@ -16,7 +16,7 @@ import nanovllm.ray as nanovllm_ray
 from nanovllm import LLM, SamplingParams
 from nanovllm.ray import RayLLM, route_prompts
 
-ENGINE_ARGS = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=256)
+ENGINE_ARGS = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=256, max_num_seqs=2)
 CLUSTER = dict(num_cpus=4, include_dashboard=False, log_to_driver=False)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SHARED = "An inference engine turns a trained language model into answers. It keeps the keys and values"
@@ -126,12 +126,17 @@ def test_per_prompt_params_and_token_id_prompts(replicas, single):
     assert [len(o["token_ids"]) for o in outputs] == [len(o["token_ids"]) for o in expected]
 
 
-def test_a_new_prompt_with_the_shared_prefix_hits_that_replicas_cache(replicas):
-    replicas.generate([PROMPTS[i] for i in SHARED_INDICES], GREEDY, use_tqdm=False)
-    prompts = [SHARED + " and then some more words", SHARED + " for the next request"]
+def test_a_shared_prefix_is_read_from_its_replicas_cache(replicas):
+    # max_num_seqs=2: a replica admits its third prompt in a later step than the first two, so
+    # the prefix they computed is there to be read, if the three prompts went to the same replica.
+    prefix = "Requests that begin with the same words share the same blocks. When a request finishes, its"
+    assert len(replicas.tokenizer.encode(prefix)) >= 16
+    grouped = [prefix + " blocks wait", prefix + " memory is taken", prefix + " list grows"]
+    prompts = [grouped[0], "one", grouped[1], "two words", "three more words", grouped[2], "four"]
     outputs = replicas.generate(prompts, GREEDY, use_tqdm=False)
-    assert len(replicas.tokenizer.encode(SHARED)) >= 16
-    assert all(o["num_cached_tokens"] >= 16 for o in outputs), [o["num_cached_tokens"] for o in outputs]
+    served = [o for o in outputs if o["prompt_token_ids"][:16] == outputs[0]["prompt_token_ids"][:16]]
+    assert len(served) == 3 and len({o["replica"] for o in served}) == 1
+    assert max(o["num_cached_tokens"] for o in served) >= 16, [o["num_cached_tokens"] for o in served]
 
 
 def test_bad_prompt_is_refused_before_any_work(replicas, single):
@@ -152,6 +157,8 @@ def test_bad_prompt_is_refused_before_any_work(replicas, single):
 def test_bad_arguments_name_themselves(model, replicas):
     with pytest.raises(ValueError, match="num_replicas"):
         RayLLM(model, num_replicas=0, **ENGINE_ARGS)
+    with pytest.raises(ValueError, match="model must be a checkpoint directory"):
+        RayLLM(str(model) + "-missing", num_replicas=1, **ENGINE_ARGS)
     with pytest.raises(ValueError, match="prefix_length"):
         RayLLM(model, num_replicas=1, prefix_length=0, **ENGINE_ARGS)
     free_cpus = ray.available_resources().get("CPU", 0)
