@@ -26,6 +26,10 @@ from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.validation import check_int, check_number
 
+Request = tuple[list[int], SamplingParams]                    # token ids and how to sample them
+# a replica's stream of finished outputs -> (that replica, the prompt indices it was given)
+Streams = dict[ray.ObjectRefGenerator, tuple[int, list[int]]]
+
 # After its first outputs, a replica sends what it finished at most this often, so the driver's
 # bar moves without a Ray object per finished request.
 REPORT_INTERVAL_S = 0.25
@@ -188,7 +192,7 @@ class RayLLM:
     def _alive(self) -> list[int]:
         return [i for i, r in enumerate(self.replicas) if r is not None]
 
-    def _requests(self, prompts: list[Prompt], sampling_params) -> list[tuple[list[int], SamplingParams]]:
+    def _requests(self, prompts: list[Prompt], sampling_params) -> list[Request]:
         """Token ids and params of every prompt, checked the way `LLM.generate` checks them."""
         if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
             raise TypeError("prompts must be a list of strings or a list of token-id lists")
@@ -207,7 +211,7 @@ class RayLLM:
         requests = self._requests(prompts, sampling_params)
         return self._route(requests, list(range(len(requests))))
 
-    def _route(self, requests: list[tuple[list[int], SamplingParams]], indices: list[int]) -> list[int]:
+    def _route(self, requests: list[Request], indices: list[int]) -> list[int]:
         alive = self._alive()
         if not alive:
             raise RuntimeError("every replica has died; create a new RayLLM")
@@ -225,7 +229,7 @@ class RayLLM:
             raise RuntimeError("this RayLLM has been shut down; create a new one")
         requests = self._requests(prompts, sampling_params)
         outputs: list[dict | None] = [None] * len(requests)
-        running: dict = {}          # stream of a replica's outputs -> (replica, its prompt indices)
+        running: Streams = {}
         bar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
             self._dispatch(requests, list(range(len(requests))), running)
@@ -253,7 +257,7 @@ class RayLLM:
                 ray.cancel(stream)
         return outputs
 
-    def _dispatch(self, requests, indices: list[int], running: dict) -> None:
+    def _dispatch(self, requests: list[Request], indices: list[int], running: Streams) -> None:
         by_replica: dict[int, list[int]] = {}
         for index, replica in zip(indices, self._route(requests, indices)):
             by_replica.setdefault(replica, []).append(index)
@@ -261,8 +265,8 @@ class RayLLM:
             stream = self.replicas[replica].generate.remote([(i, *requests[i]) for i in mine])
             running[stream] = (replica, mine)
 
-    def _retry_elsewhere(self, replica: int, error: RayActorError, requests, indices: list[int],
-                         outputs: list, running: dict) -> None:
+    def _retry_elsewhere(self, replica: int, error: RayActorError, requests: list[Request], indices: list[int],
+                         outputs: list[dict | None], running: Streams) -> None:
         """A replica died: drop it for good and send its unfinished prompts to the others."""
         ray.kill(self.replicas[replica], no_restart=True)      # in case it is only unreachable
         self.replicas[replica] = None
