@@ -164,7 +164,7 @@ def test_bad_arguments_name_themselves(model, replicas):
     free_cpus = ray.available_resources().get("CPU", 0)
     # an engine argument is checked by the engine inside the replica: its own error comes back
     with pytest.raises(ValueError, match="max_num_seqs"):
-        RayLLM(model, num_replicas=1, max_num_seqs=0, **ENGINE_ARGS)
+        RayLLM(model, num_replicas=1, **{**ENGINE_ARGS, "max_num_seqs": 0})
     # more than the cluster can grant: a clear error after placement_timeout_s, not a hang
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="placement_timeout_s"):
@@ -194,10 +194,10 @@ def kill_on_first_output(monkeypatch, victim):
 def test_dead_replica_work_is_retried_then_the_last_death_is_named(model, single, replicas, monkeypatch):
     # Longer prompts, so the victim is killed mid-run; one short request on the victim finishes
     # first and triggers the kill, and must be kept. Its other prompts are retried on the survivor.
-    long_params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    long_params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     short_params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     prompts = PROMPTS
-    with RayLLM(model, num_replicas=2, **ENGINE_ARGS) as llm:
+    with RayLLM(model, num_replicas=2, **{**ENGINE_ARGS, "max_num_seqs": 16}) as llm:
         assert not llm.started_ray       # joined the module's cluster
         pids = llm.replica_pids()
         params = [long_params] * len(prompts)
