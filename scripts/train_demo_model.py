@@ -1,7 +1,7 @@
 """Train the demo model shipped in nanovllm/demo: a small Qwen3 that adds numbers and names capitals.
 
-    python scripts/train_demo_model.py --out nanovllm/demo                     # minutes on one GPU
-    python scripts/train_demo_model.py --out /tmp/demo --steps 30 --eval-every 10   # a quick CPU check
+    python scripts/train_demo_model.py --out nanovllm/demo        # the shipped model: 7 minutes on one H100
+    python scripts/train_demo_model.py --out /tmp/demo --steps 30 --batch-size 64 --eval-every 10   # a CPU check
 
 The data is generated chat conversations: `What is A + B?` (0 <= A, B <= 999) answered with the
 sum, `What is the capital of C?` answered with the capital from capitals.tsv, and a few paraphrases
@@ -207,8 +207,8 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="directory for the checkpoint")
     parser.add_argument("--capitals", default=str(CAPITALS_FILE), help="country<TAB>capital table")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    parser.add_argument("--steps", type=int, default=20000)
-    parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=5686)
+    parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=500)
     parser.add_argument("--capital-share", type=float, default=0.1, help="share of capital questions in the data")
