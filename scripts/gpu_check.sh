@@ -8,6 +8,9 @@
 #   BASE="DIR..." bash scripts/gpu_check.sh ab   # attention/engine GPU tests, then bench.py here and in each
 #                                                # DIR (older checkouts) in turn, twice each
 #   BASE="DIR..." bash scripts/gpu_check.sh ab-profile   # step times and GPU-busy time, here and in each DIR
+#   BASE="DIR" bash scripts/gpu_check.sh benches   # bench.py here and in DIR alternating (0.6B shape), then
+#                                                  # the other families' shapes with their floors (~9 min)
+#   bash scripts/gpu_check.sh cuda-tests          # the engine's CPU tests again on CUDA (graphs on) (~9 min)
 # Logs go to $OUT (or ./gpu_logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,6 +67,22 @@ if [ "$stage" = ab-profile ]; then
     (cd "$tree" && python scripts/step_timing.py && python scripts/profile_bench.py) 2>&1 | tee -a "$LOGS/profile.log" \
       | grep -E "^ *[0-9]+ \||prefill|decode|workload" | sed "s|^|$tree: |"
   done
+fi
+if [ "$stage" = benches ]; then
+  for run in 1 2; do
+    for tree in "${BASE:?BASE names an older checkout}" .; do
+      (cd "$tree" && python bench.py --config configs/qwen3-0.6b.json) 2>&1 | grep Throughput | sed "s|^|qwen3-0.6b $tree: |"
+    done
+  done
+  for shape in qwen2.5-0.5b llama-3.2-1b llama-3.1-8b; do
+    python scripts/bench_floor.py configs/$shape.json 2>&1 | grep floor
+    python bench.py --config configs/$shape.json 2>&1 | tee -a "$LOGS/bench_shapes.log" | grep -E "Throughput|nanovllm:" | sed "s|^|$shape: |"
+  done
+fi
+if [ "$stage" = cuda-tests ]; then
+  python -m pytest -q -x tests/test_gpu.py tests/test_kernels.py -s 2>&1 | tee "$LOGS/pytest_gpu.log" | grep -E "passed|failed|error|ours|Error" | tail -30
+  python -m pytest -q tests/test_interrupts.py tests/test_parallel_sampling.py tests/test_worker.py tests/test_streaming.py \
+    tests/test_engine.py tests/test_models.py -k "not tensor_parallel" 2>&1 | tee "$LOGS/pytest_cuda.log" | tail -15
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python bench.py --config configs/qwen3-0.6b.json 2>&1 | tee "$LOGS/bench.log" | grep -v Loading

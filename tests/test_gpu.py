@@ -56,17 +56,16 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.fixture(scope="module")
-def qwen3_06b_path():
-    from nanovllm.utils.random_checkpoint import cached_random_checkpoint
-    return cached_random_checkpoint(os.path.join(CONFIGS, "qwen3-0.6b.json"))
-
-
-def test_qwen3_06b_shape_bf16_logits_within_bf16_tolerance(qwen3_06b_path):
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama-3.1-8b"])
+def test_shape_bf16_logits_within_bf16_tolerance(shape):
     """First-step (prefill) and second-step (decode, CUDA graph) logits against transformers on the
-    same weights. The bar is transformers' own bf16 error against its float32 run."""
+    same random weights of a full-size shape. The bar is transformers' own bf16 error against its
+    float32 run. (The transformers models are loaded one at a time: the 8B shape is 16 GB in bf16.)"""
     from transformers import AutoModelForCausalLM
-    llm = LLM(qwen3_06b_path, gpu_memory_utilization=0.4)
+
+    from nanovllm.utils.random_checkpoint import cached_random_checkpoint
+    path = cached_random_checkpoint(os.path.join(CONFIGS, f"{shape}.json"))
+    llm = LLM(path, gpu_memory_utilization=0.3, max_num_seqs=16)
     assert llm.config.torch_dtype == torch.bfloat16
     prompts = mixed_prompts(10000, lengths=(1, 17, 300, 1000), seed=4)
     seqs = [Sequence(p, SamplingParams(temperature=0)) for p in prompts]
@@ -75,27 +74,35 @@ def test_qwen3_06b_shape_bf16_logits_within_bf16_tolerance(qwen3_06b_path):
     runner = llm.model_runner
     prefill = llm.scheduler.schedule()
     assert prefill.is_prefill and len(prefill.seqs) == len(prompts)
-    prefill_logits = runner.execute(runner.prepare_step(prefill))
+    prefill_logits = runner.execute(runner.prepare_step(prefill)).float()
     next_tokens = prefill_logits.argmax(-1).tolist()
     llm.scheduler.fill(llm.scheduler.advance(prefill), next_tokens)   # every prompt completes: one token each
     decode = llm.scheduler.schedule()
     assert not decode.is_prefill and runner.graphs
     decode_inputs = runner.prepare_step(decode)
-    decode_logits = runner.execute(decode_inputs)
+    decode_logits = runner.execute(decode_inputs).float()
     graphs, runner.graphs = runner.graphs, None
-    eager_logits = runner.execute(decode_inputs)      # same step without the CUDA graph
+    eager_logits = runner.execute(decode_inputs).float()      # same step without the CUDA graph
     runner.graphs = graphs
     assert relative_error(decode_logits, eager_logits) < 1e-2
+    llm.shutdown()
+    del llm, runner, graphs
+    gc.collect()
+    torch.cuda.empty_cache()
 
-    hf_bf16 = AutoModelForCausalLM.from_pretrained(qwen3_06b_path, dtype=torch.bfloat16).cuda().eval()
-    hf_fp32 = AutoModelForCausalLM.from_pretrained(qwen3_06b_path, dtype=torch.float32).cuda().eval()
-    with torch.no_grad():
-        for i, (prompt, token) in enumerate(zip(prompts, next_tokens)):
-            for ours, ids in ((prefill_logits[i], prompt), (decode_logits[i], prompt + [token])):
-                x = torch.tensor([ids], device="cuda")
-                ref = hf_fp32(x).logits[0, -1]
-                hf_error = relative_error(hf_bf16(x).logits[0, -1], ref)
-                our_error = relative_error(ours, ref)
-                print(f"prompt {len(prompt):4d} tokens, step {len(ids) - len(prompt) + 1}: "
-                      f"ours {our_error:.4f}, transformers bf16 {hf_error:.4f} (relative to float32)")
-                assert our_error < max(2 * hf_error, 1e-2)
+    cases = [(prefill_logits[i], prompt) for i, prompt in enumerate(prompts)]
+    cases += [(decode_logits[i], prompt + [token]) for i, (prompt, token) in enumerate(zip(prompts, next_tokens))]
+    refs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+        with torch.no_grad():
+            refs[dtype] = [hf(torch.tensor([ids], device="cuda")).logits[0, -1].float() for _, ids in cases]
+        del hf
+        gc.collect()
+        torch.cuda.empty_cache()
+    for (ours, ids), ref, hf_bf16 in zip(cases, refs[torch.float32], refs[torch.bfloat16]):
+        hf_error = relative_error(hf_bf16, ref)
+        our_error = relative_error(ours, ref)
+        print(f"{shape}: {len(ids):4d} tokens: ours {our_error:.4f}, transformers bf16 {hf_error:.4f} "
+              f"(relative to float32)")
+        assert our_error < max(2 * hf_error, 1e-2)
