@@ -4,7 +4,8 @@ Each step first writes the new tokens' keys and values into the cache at their s
 kernel does it as it rotates the keys: the model passes it `Attention.kv_store(v)`), then attends.
 A backend answers three cases: a plain prefill (no key comes from an earlier step), a
 prefill whose keys include cached blocks (prefix-cache hits, later chunks of a long prompt), and
-decode (one query per sequence).
+decode (one query per sequence). A float8 cache comes with its scales (k_scale, v_scale), which the
+model runner attaches beside the cache; 16-bit caches have none.
 """
 import inspect
 
@@ -25,45 +26,48 @@ except ImportError:   # torch < 2.10
 
 class AttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, ctx: AttentionContext, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, ctx: AttentionContext, scale: float, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
 
 class TorchAttention(AttentionBackend):
     """The CPU path: torch reference twins of the kernels over the same paged cache."""
 
-    def forward(self, q, k, v, k_cache, v_cache, ctx, scale):
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale, k_scale=None, v_scale=None):
         cu_seqlens_q = ctx.cu_seqlens_q if ctx.is_prefill else torch.arange(q.shape[0] + 1)
-        return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, ctx.context_lens, ctx.block_tables, scale)
+        return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, ctx.context_lens, ctx.block_tables, scale,
+                                   k_scale, v_scale)
 
 
 class TritonAttention(AttentionBackend):
     """The GPU default: Triton paged kernels, PyTorch's fused attention for plain prefills."""
 
-    def forward(self, q, k, v, k_cache, v_cache, ctx, scale):
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale, k_scale=None, v_scale=None):
         if not ctx.is_prefill:
             return paged_decode_attention(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables,
-                                          scale, ctx.num_splits)
+                                          scale, ctx.num_splits, k_scale=k_scale, v_scale=v_scale)
         if ctx.has_cached_context:
             return paged_prefill_attention(q, k_cache, v_cache, ctx.cu_seqlens_q, ctx.max_seqlen_q,
-                                           ctx.context_lens, ctx.block_tables, scale)
+                                           ctx.context_lens, ctx.block_tables, scale, k_scale=k_scale,
+                                           v_scale=v_scale)
         return causal_varlen_attention(q, k, v, ctx.cu_seqlens_q, ctx.max_seqlen_q, scale)
 
 
 class FlashAttnAttention(TritonAttention):
     """Optional: flash-attn's varlen and paged calls where the package is installed.
-    Its paged path needs blocks of a multiple of 256 tokens; other cases stay on Triton."""
+    Its paged path needs blocks of a multiple of 256 tokens and a 16-bit cache; other cases stay on Triton."""
 
     def __init__(self):
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
         self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
 
-    def forward(self, q, k, v, k_cache, v_cache, ctx, scale):
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale, k_scale=None, v_scale=None):
         if ctx.is_prefill and not ctx.has_cached_context:
             return self.varlen(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_q, ctx.max_seqlen_q, ctx.max_seqlen_q,
                                softmax_scale=scale, causal=True)
-        if ctx.is_prefill or k_cache.shape[1] % 256:
-            return super().forward(q, k, v, k_cache, v_cache, ctx, scale)
+        if ctx.is_prefill or k_cache.shape[1] % 256 or k_cache.element_size() == 1:
+            return super().forward(q, k, v, k_cache, v_cache, ctx, scale, k_scale, v_scale)
         return self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens,
                                  block_table=ctx.block_tables, softmax_scale=scale, causal=True).squeeze(1)
 
@@ -112,6 +116,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.k_cache = self.v_cache = torch.empty(0)
+        self.k_scale: torch.Tensor | None = None   # float8 caches only: float32, 1 or num_kv_heads values
+        self.v_scale: torch.Tensor | None = None
         self.backend: AttentionBackend = TorchAttention()
 
     def kv_store(self, v: torch.Tensor) -> KVStore | None:
@@ -119,10 +125,11 @@ class Attention(nn.Module):
         runs before the cache exists."""
         if not self.k_cache.numel():
             return None
-        return KVStore(v, self.k_cache, self.v_cache, get_context().slot_mapping)
+        return KVStore(v, self.k_cache, self.v_cache, get_context().slot_mapping, self.k_scale, self.v_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [tokens, heads, head_dim], k/v: [tokens, kv_heads, head_dim], already in the cache
         (see kv_store) -> [tokens, heads * head_dim]."""
-        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, get_context(), self.scale)
+        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, get_context(), self.scale,
+                                 self.k_scale, self.v_scale)
         return o.flatten(1, 2)
