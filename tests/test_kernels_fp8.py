@@ -334,3 +334,29 @@ def test_paged_prefill_attention_over_fp8_cache(block_size, head_dim, num_kv_hea
     stored = dequantized_dense(k8, v8, block_tables, context_lens, k_scale, v_scale)
     for (k, v), start, end in zip(stored, cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist()):
         assert_close(ref[start:end], dense_attention(q[start:end], k, v, scale), dtype)
+
+
+# ---------------------------------------------------------------- the attention layer passes the scales on
+
+def test_attention_layer_stores_and_reads_an_fp8_cache_with_its_scales():
+    """Attention.kv_store hands the scales to the store; the CPU backend reads the cache with them:
+    a decode step over one stored token returns that token's dequantised value."""
+    from nanovllm.layers.attention import Attention
+    from nanovllm.utils.context import AttentionContext, set_context
+    attn = Attention(num_heads=4, num_kv_heads=2, head_dim=8, scale=0.3)
+    attn.k_cache = torch.full((2, 4, 2, 8), float("nan")).to(FP8_DTYPE)
+    attn.v_cache = attn.k_cache.clone()
+    attn.k_scale, attn.v_scale = torch.tensor([0.02, 0.05]), torch.tensor([0.1, 0.01])
+    k, v = torch.randn(2, 1, 2, 8)
+    set_context(AttentionContext(is_prefill=False, slot_mapping=torch.tensor([4]), context_lens=torch.tensor([1]),
+                                 block_tables=torch.tensor([[1]])))
+    try:
+        store = attn.kv_store(v)
+        store_kvcache_ref(k, *store)
+        out = attn(torch.randn(1, 4, 8), k, v)
+    finally:
+        set_context(None)
+    assert store.k_scale is attn.k_scale and store.v_scale is attn.v_scale
+    expected_v = dequantize_fp8(quantize_fp8(v, attn.v_scale), attn.v_scale, torch.float32)   # one key: softmax = 1
+    assert torch.equal(out.view(4, 8), expected_v[0].repeat_interleave(2, 0))
+    assert not torch.equal(expected_v, v)   # the storage did round
