@@ -26,6 +26,7 @@ class Config:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    kv_cache_dtype: str = "auto"          # "auto": the model's dtype; "fp8": float8 e4m3 with scales
     # Derived from the arguments and the checkpoint, not passed by users.
     hf_config: PretrainedConfig = field(init=False, repr=False)
     model_config: ModelConfig = field(init=False, repr=False)
@@ -93,6 +94,8 @@ class Config:
                 f"num_kvcache_blocks must be -1 (size from memory) or at least {self.min_kvcache_blocks} "
                 f"(one sequence of max_model_len={self.max_model_len}), got {self.num_kvcache_blocks}")
         check_number("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         for name in ("enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

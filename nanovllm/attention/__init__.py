@@ -7,7 +7,7 @@ from nanovllm.attention.base import AttentionBackend, AttentionMetadata, current
 __all__ = ["AttentionBackend", "AttentionMetadata", "choose_attention_backend", "current_metadata", "use_metadata"]
 
 
-def choose_attention_backend(device: torch.device, num_kv_heads: int) -> AttentionBackend:
+def choose_attention_backend(device: torch.device, num_kv_heads: int, cache_dtype: torch.dtype) -> AttentionBackend:
     """The one place that decides how attention is computed."""
     if device.type != "cuda":
         from nanovllm.attention.torch_reference import TorchAttention
@@ -15,7 +15,7 @@ def choose_attention_backend(device: torch.device, num_kv_heads: int) -> Attenti
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     try:
         from nanovllm.attention.flash_attn import FlashAttnAttention
-        return FlashAttnAttention(num_sms, num_kv_heads)
+        return FlashAttnAttention(num_sms, num_kv_heads, cache_dtype)
     except ImportError:
         from nanovllm.attention.triton import TritonAttention
-        return TritonAttention(num_sms, num_kv_heads)
+        return TritonAttention(num_sms, num_kv_heads, cache_dtype)

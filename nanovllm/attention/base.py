@@ -38,8 +38,10 @@ class AttentionBackend:
         return AttentionMetadata(False, slot_mapping, context_lens, block_tables)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [tokens, heads, head_dim]; k/v: this step's keys and values, already in the cache."""
+                v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [tokens, heads, head_dim]; k/v: this step's keys and values, already in the cache.
+        A float8 cache comes with its scales (float32, one per layer or per KV head)."""
         raise NotImplementedError
 
 

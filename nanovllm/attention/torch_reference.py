@@ -6,7 +6,7 @@ from nanovllm.kernels.paged_attention import paged_attention_ref
 
 
 class TorchAttention(AttentionBackend):
-    def forward(self, q, k, v, k_cache, v_cache, metadata, scale):
+    def forward(self, q, k, v, k_cache, v_cache, metadata, scale, k_scale=None, v_scale=None):
         cu_seqlens_q = metadata.cu_seqlens_q if metadata.is_prefill else torch.arange(q.shape[0] + 1)
         return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, metadata.context_lens, metadata.block_tables,
-                                   scale)
+                                   scale, k_scale, v_scale)

@@ -21,8 +21,8 @@ class TritonMetadata(AttentionMetadata):
 
 
 class TritonAttention(AttentionBackend):
-    def __init__(self, num_sms: int, num_kv_heads: int):
-        self.num_sms, self.num_kv_heads = num_sms, num_kv_heads
+    def __init__(self, num_sms: int, num_kv_heads: int, cache_dtype: torch.dtype):
+        self.num_sms, self.num_kv_heads, self.cache_dtype = num_sms, num_kv_heads, cache_dtype
 
     def metadata(self, is_prefill, slot_mapping, context_lens, block_tables, cu_seqlens_q, host_context_lens,
                  host_cu_seqlens_q) -> TritonMetadata:
@@ -35,15 +35,16 @@ class TritonAttention(AttentionBackend):
                               num_splits=self._num_splits(len(context_lens)))
 
     def _num_splits(self, num_seqs: int) -> int:
-        return decode_num_splits(num_seqs, self.num_kv_heads, self.num_sms)
+        return decode_num_splits(num_seqs, self.num_kv_heads, self.num_sms, self.cache_dtype)
 
-    def forward(self, q, k, v, k_cache, v_cache, metadata, scale):
+    def forward(self, q, k, v, k_cache, v_cache, metadata, scale, k_scale=None, v_scale=None):
         if not metadata.is_prefill:
             return paged_decode_attention(q, k_cache, v_cache, metadata.context_lens, metadata.block_tables,
-                                          scale, metadata.num_splits)
+                                          scale, metadata.num_splits, k_scale=k_scale, v_scale=v_scale)
         if metadata.has_cached_context:
             return paged_prefill_attention(q, k_cache, v_cache, metadata.cu_seqlens_q, metadata.max_seqlen_q,
-                                           metadata.context_lens, metadata.block_tables, scale)
+                                           metadata.context_lens, metadata.block_tables, scale, k_scale=k_scale,
+                                           v_scale=v_scale)
         return causal_varlen_attention(q, k, v, metadata.cu_seqlens_q, metadata.max_seqlen_q, scale)
 
 

@@ -4,6 +4,12 @@ Every sequence's keys are the first `context_len` token slots of its block table
 are the last `q_len` of those positions and attend causally. Decode is the case q_len == 1.
 Cache layout: [num_blocks, block_size, num_kv_heads, head_dim].
 
+The cache holds 16-bit values, or float8 e4m3 with per-layer or per-KV-head scales (see fp8.py).
+For float8 a constexpr switches the same kernels to convert each tile in registers: the key scale
+folds into the softmax scale and the value scale into the output, so neither costs a multiply per
+element. The products then run in float16 (float32 for float32 queries): e4m3 values convert to
+it exactly and in one instruction per pair, where bfloat16 would take a detour through float32.
+
 The decode kernel gives one program to each (sequence, KV head, context split): it loads every
 K/V tile once for all query heads of its group, and long contexts can be split over several
 programs whose partial results a second kernel combines (flash-decoding). The prefill kernel gives
@@ -14,13 +20,18 @@ import math
 import torch
 import torch.nn.functional as F
 
+from nanovllm.kernels.fp8 import FP8_DTYPE, check_kv_scales, dequantize_fp8, is_fp8_cache
 from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                        block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """Torch twin of both kernels. q: [num_tokens, num_heads, head_dim] packed by sequence."""
+                        block_tables: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch twin of both kernels. q: [num_tokens, num_heads, head_dim] packed by sequence.
+    A float8 cache is dequantised to q's dtype with k_scale / v_scale first, then the same math."""
+    fp8 = is_fp8_cache(k_cache)
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     out = torch.empty_like(q)
     block_size = k_cache.shape[1]
     starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
@@ -29,8 +40,11 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if end == start:
             continue
         blocks = block_tables[i, :-(-context_len // block_size)].long()
-        k = k_cache[blocks].flatten(0, 1)[:context_len].transpose(0, 1)
-        v = v_cache[blocks].flatten(0, 1)[:context_len].transpose(0, 1)
+        k = k_cache[blocks].flatten(0, 1)[:context_len]
+        v = v_cache[blocks].flatten(0, 1)[:context_len]
+        if fp8:
+            k, v = dequantize_fp8(k, k_scale, q.dtype), dequantize_fp8(v, v_scale, q.dtype)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
         q_pos = torch.arange(context_len - (end - start), context_len, device=q.device)
         causal = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
         o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k, v, attn_mask=causal,
@@ -44,14 +58,25 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _kv_launch_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple[tuple, dict]:
+    """The scale pointers and the constexprs that pick the cache's storage type. A 16-bit cache
+    passes q in place of the scales: the kernel never reads them."""
+    scale_stride = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    fp8 = is_fp8_cache(k_cache)
+    return ((k_scale, v_scale) if fp8 else (q, q)), dict(KV_FP8=fp8, SCALE_STRIDE=scale_stride,
+                                                         DOT_FP16=q.dtype != torch.float32)
+
+
 @triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr,
                    out_ptr, part_out_ptr, part_lse_ptr, scale_log2e, stride_q_seq, stride_q_head,
                    stride_out_seq, stride_out_head, stride_cache_block, stride_cache_token, stride_bt,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                   HEADS_FASTEST: tl.constexpr, PDL: tl.constexpr):
+                   HEADS_FASTEST: tl.constexpr, KV_FP8: tl.constexpr, SCALE_STRIDE: tl.constexpr,
+                   DOT_FP16: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     if HEADS_FASTEST:   # the KV heads of one token are adjacent in memory: read them together
         kv_head, split, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -71,6 +96,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
                 mask=head_mask[:, None] & d_mask[None, :], other=0.0)
+    qk_scale = scale_log2e
+    if KV_FP8:   # keys are stored divided by k_scale: multiply the scores back
+        if DOT_FP16:
+            q = q.to(tl.float16)
+        qk_scale = scale_log2e * tl.load(k_scale_ptr + kv_head * SCALE_STRIDE)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -83,17 +113,23 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                 + kv_head * HEAD_DIM + d[None, :])
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+        if KV_FP8:
+            k = k.to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    if KV_FP8:   # values are stored divided by v_scale; every split's part is, so the combine stays linear
+        out = out * tl.load(v_scale_ptr + kv_head * SCALE_STRIDE)
     out_mask = head_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         tl.store(out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + d[None, :],
@@ -125,22 +161,46 @@ def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_out_seq, 
              mask=d < HEAD_DIM)
 
 
-def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Context splits per sequence so that a decode step launches about four programs per SM
-    (H100 sweep, scripts/tune_decode_attention.py: splits pay only below ~32 sequences)."""
-    return max(1, min(16, -(-4 * num_sms // (num_seqs * num_kv_heads))))
+# Programs per SM that decode_num_splits aims for. float8 programs read half the bytes per token,
+# so more of them keep as many bytes in flight: a first guess, for scripts/fp8_kernel_check.py to sweep.
+DECODE_PROGRAMS_PER_SM = {2: 4, 1: 8}   # by bytes per cached element
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int,
+                      cache_dtype: torch.dtype = torch.bfloat16) -> int:
+    """Context splits per sequence so that a decode step launches about four programs per SM for
+    a 16-bit cache (H100 sweep, scripts/tune_decode_attention.py: splits pay only below ~32
+    sequences), eight for a float8 one."""
+    per_sm = DECODE_PROGRAMS_PER_SM[torch.empty(0, dtype=cache_dtype).element_size()]
+    return max(1, min(16, -(-per_sm * num_sms // (num_seqs * num_kv_heads))))
+
+
+def decode_tile(cache_dtype: torch.dtype) -> tuple[int, int, int]:
+    """(tokens per tile, warps, pipeline stages) of the decode kernel. 16-bit: 128, 4, 2, the best
+    of the H100 sweep (docs/benchmarks.md). float8: 256-token tiles move as many bytes per load as
+    the 16-bit tile, with 8 warps for the registers the converted tile takes; not yet measured
+    (scripts/fp8_kernel_check.py sweeps it)."""
+    if cache_dtype == FP8_DTYPE:
+        return 256, 8, 2
+    return 128, 4, 2
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                           num_splits: int = 1, tile_tokens: int = 128, num_warps: int = 4,
-                           num_stages: int = 2, heads_fastest: bool = True) -> torch.Tensor:
+                           num_splits: int = 1, tile_tokens: int | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None, heads_fastest: bool = True,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim], one new token per sequence (already in the cache).
-    tile_tokens, num_warps, num_stages and the program order are tuning knobs
-    (scripts/tune_decode_attention.py sweeps them)."""
+    A float8 cache needs k_scale and v_scale (float32, 1 or num_kv_heads values; see fp8.py).
+    tile_tokens, num_warps, num_stages (by default decode_tile(k_cache.dtype)) and the program
+    order are tuning knobs (scripts/tune_decode_attention.py sweeps them)."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
+    scales, kv_constexprs = _kv_launch_args(q, k_cache, v_cache, k_scale, v_scale)
+    default_tile = decode_tile(k_cache.dtype)
+    tile_tokens, num_warps, num_stages = (given if given is not None else default for given, default in
+                                          zip((tile_tokens, num_warps, num_stages), default_tile))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -150,12 +210,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_d = triton.next_power_of_2(head_dim)
     grid = (num_kv_heads, num_splits, num_seqs) if heads_fastest else (num_seqs, num_kv_heads, num_splits)
     _decode_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, *scales, block_tables, context_lens, out, part_out, part_lse,
         scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=min(tile_tokens, block_size),
-        NUM_SPLITS=num_splits, PRECISION=_dot_precision(q.dtype), HEADS_FASTEST=heads_fastest,
+        NUM_SPLITS=num_splits, PRECISION=_dot_precision(q.dtype), HEADS_FASTEST=heads_fastest, **kv_constexprs,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(q))
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
@@ -167,9 +227,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 @triton.jit
 def _attend_keys(q, m, l, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, end, q_pos,
-                 scale_log2e, stride_cache_block, stride_cache_token, stride_bt, HEAD_DIM: tl.constexpr,
+                 qk_scale, stride_cache_block, stride_cache_token, stride_bt, HEAD_DIM: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
+                 PRECISION: tl.constexpr, CAUSAL: tl.constexpr, KV_FP8: tl.constexpr):
     """Online softmax of a query tile over keys [start, end), BLOCK_N at a time. Only tiles that
     cross the diagonal need CAUSAL: every key before it is visible to every query of the tile."""
     d = tl.arange(0, BLOCK_D)
@@ -181,13 +241,17 @@ def _attend_keys(q, m, l, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, 
                 + kv_head * HEAD_DIM + d[None, :])
         kv_mask = (k_pos < end)[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+        if KV_FP8:
+            k = k.to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if CAUSAL:
             s = tl.where((k_pos[None, :] <= q_pos[:, None]) & (k_pos < end)[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
@@ -195,12 +259,14 @@ def _attend_keys(q, m, l, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, 
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr,
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
+                    context_lens_ptr, cu_seqlens_q_ptr,
                     out_ptr, scale_log2e, stride_q_token, stride_q_head, stride_out_token, stride_out_head,
                     stride_cache_block, stride_cache_token, stride_bt,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, KV_FP8: tl.constexpr, SCALE_STRIDE: tl.constexpr,
+                    DOT_FP16: tl.constexpr):
     tile_m = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -214,6 +280,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_l
         q_mask = (m_idx < q_len)[:, None] & (d < HEAD_DIM)[None, :]
         q_offs = (q_start + m_idx)[:, None] * stride_q_token + head * stride_q_head + d[None, :]
         q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
+        qk_scale = scale_log2e
+        if KV_FP8:   # keys are stored divided by k_scale: multiply the scores back
+            if DOT_FP16:
+                q = q.to(tl.float16)
+            qk_scale = scale_log2e * tl.load(k_scale_ptr + kv_head * SCALE_STRIDE)
         q_pos = context_len - q_len + m_idx   # padded rows (past q_len) see every key: finite, never stored
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -223,13 +294,15 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_l
         visible_end = first_row_pos // BLOCK_N * BLOCK_N   # keys every row of the tile sees
         key_end = tl.minimum(context_len, first_row_pos + BLOCK_M)
         m, l, acc = _attend_keys(q, m, l, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, 0,
-                                 visible_end, q_pos, scale_log2e, stride_cache_block, stride_cache_token,
-                                 stride_bt, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, PRECISION, False)
+                                 visible_end, q_pos, qk_scale, stride_cache_block, stride_cache_token,
+                                 stride_bt, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, PRECISION, False, KV_FP8)
         m, l, acc = _attend_keys(q, m, l, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head,
-                                 visible_end, key_end, q_pos, scale_log2e, stride_cache_block,
+                                 visible_end, key_end, q_pos, qk_scale, stride_cache_block,
                                  stride_cache_token, stride_bt, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-                                 PRECISION, True)
+                                 PRECISION, True, KV_FP8)
         out = acc / l[:, None]
+        if KV_FP8:
+            out = out * tl.load(v_scale_ptr + kv_head * SCALE_STRIDE)
         out_offs = (q_start + m_idx)[:, None] * stride_out_token + head * stride_out_head + d[None, :]
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -246,19 +319,22 @@ def prefill_tile(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, max_seqlen_q: int, context_lens: torch.Tensor,
                             block_tables: torch.Tensor, scale: float,
-                            tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                            tile: tuple[int, int, int, int] | None = None, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] packed by sequence; their K/V are already in the cache.
-    tile: (query rows, keys per step, warps, stages), by default prefill_tile()."""
+    tile: (query rows, keys per step, warps, stages), by default prefill_tile().
+    A float8 cache needs k_scale and v_scale (float32, 1 or num_kv_heads values; see fp8.py)."""
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = k_cache.shape
+    scales, kv_constexprs = _kv_launch_args(q, k_cache, v_cache, k_scale, v_scale)
     block_m, block_n, num_warps, num_stages = tile or prefill_tile(q.dtype, head_dim)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(max_seqlen_q, block_m), context_lens.shape[0], num_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out, scale * math.log2(math.e),
+        q, k_cache, v_cache, *scales, block_tables, context_lens, cu_seqlens_q, out, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0), GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        BLOCK_N=min(block_n, block_size), PRECISION=_dot_precision(q.dtype), num_warps=num_warps,
-        num_stages=num_stages)
+        BLOCK_N=min(block_n, block_size), PRECISION=_dot_precision(q.dtype), **kv_constexprs,
+        num_warps=num_warps, num_stages=num_stages)
     return out

@@ -5,30 +5,40 @@ token: a decode step would otherwise spend three more launches per layer on them
 
 cos_sin_cache: [max_position, head_dim] float32, cosines in the first half and sines in the second.
 Cache layout: [num_blocks, block_size, num_kv_heads, head_dim]; slot = block * block_size + offset;
-slot -1 marks a padding token (CUDA-graph batches) and is skipped.
+slot -1 marks a padding token (CUDA-graph batches) and is skipped. A float8 e4m3 cache stores
+each key and value divided by its scale (see fp8.py), quantised in the same pass.
 """
 from typing import NamedTuple
 
 import torch
 
+from nanovllm.kernels.fp8 import check_kv_scales, is_fp8_cache, quantize_fp8
 from nanovllm.kernels.rms_norm import rms_norm_ref
 from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
 
 
 class KVStore(NamedTuple):
-    """Where new keys and values go: the values, the caches and each token's slot (-1 = none)."""
+    """Where new keys and values go: the values, the caches and each token's slot (-1 = none);
+    for a float8 cache also the scales (float32, 1 or kv_heads values)."""
     value: torch.Tensor          # [tokens, kv_heads, head_dim]
     k_cache: torch.Tensor        # [num_blocks, block_size, kv_heads, head_dim]
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor   # [tokens]
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
 
 def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[valid]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[valid]
+    key, value = key[valid], value[valid]
+    if is_fp8_cache(k_cache):
+        key, value = quantize_fp8(key, k_scale), quantize_fp8(value, v_scale)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value
 
 
 def apply_rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -46,7 +56,7 @@ def apply_rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
     q, k = rotate(q), rotate(k)
     if kv_store is not None:
-        store_kvcache_ref(k, kv_store.value, kv_store.k_cache, kv_store.v_cache, kv_store.slot_mapping)
+        store_kvcache_ref(k, *kv_store)
     return q, k
 
 
@@ -75,11 +85,21 @@ def _rotate_heads(x_ptr, weight_ptr, eps, stride_token, token, cos, sin, NUM_HEA
 
 
 @triton.jit
+def _to_cache(x, scale_ptr, h, dtype, NUM_HEADS: tl.constexpr, SCALE_STRIDE: tl.constexpr, KV_FP8: tl.constexpr):
+    """x [heads, d] as the cache stores it; for float8, x / scale (correctly rounded, as torch
+    divides) clamped to e4m3's range (fp8.FP8_MAX, 448) before rounding to e4m3."""
+    if KV_FP8:
+        scale = tl.load(scale_ptr + h * SCALE_STRIDE, mask=h < NUM_HEADS, other=1.0)[:, None]
+        return tl.clamp(tl.div_rn(x.to(tl.float32), scale), -448.0, 448.0).to(dtype)
+    return x.to(dtype)
+
+
+@triton.jit
 def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cache_ptr, q_weight_ptr, k_weight_ptr, eps, stride_q, stride_k,
-                   v_ptr, stride_v, k_cache_ptr, v_cache_ptr, slot_ptr,
+                   v_ptr, stride_v, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
                    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, BLOCK_QH: tl.constexpr,
                    BLOCK_KH: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
-                   PDL: tl.constexpr):
+                   KV_FP8: tl.constexpr, SCALE_STRIDE: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     token = tl.program_id(0)
     pos = tl.load(positions_ptr + token)
@@ -95,12 +115,17 @@ def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cache_ptr, q_weight_ptr, k_weigh
             mask = (h < NUM_K_HEADS)[:, None]
             row = h[:, None] * (2 * HALF) + d[None, :]
             cache_offs = slot * (NUM_K_HEADS * 2 * HALF) + row
-            tl.store(k_cache_ptr + cache_offs, k1, mask=mask)
-            tl.store(k_cache_ptr + cache_offs + HALF, k2, mask=mask)
+            dtype = k_cache_ptr.dtype.element_ty   # float8: quantised from k as rounded to its dtype, like the twin
+            tl.store(k_cache_ptr + cache_offs, _to_cache(k1, k_scale_ptr, h, dtype, NUM_K_HEADS, SCALE_STRIDE, KV_FP8),
+                     mask=mask)
+            tl.store(k_cache_ptr + cache_offs + HALF,
+                     _to_cache(k2, k_scale_ptr, h, dtype, NUM_K_HEADS, SCALE_STRIDE, KV_FP8), mask=mask)
             v1 = tl.load(v_ptr + token * stride_v + row, mask=mask)
             v2 = tl.load(v_ptr + token * stride_v + row + HALF, mask=mask)
-            tl.store(v_cache_ptr + cache_offs, v1, mask=mask)
-            tl.store(v_cache_ptr + cache_offs + HALF, v2, mask=mask)
+            tl.store(v_cache_ptr + cache_offs, _to_cache(v1, v_scale_ptr, h, dtype, NUM_K_HEADS, SCALE_STRIDE, KV_FP8),
+                     mask=mask)
+            tl.store(v_cache_ptr + cache_offs + HALF,
+                     _to_cache(v2, v_scale_ptr, h, dtype, NUM_K_HEADS, SCALE_STRIDE, KV_FP8), mask=mask)
 
 
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -108,20 +133,23 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
                  kv_store: KVStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [tokens, q_heads, head_dim], k: [tokens, kv_heads, head_dim]; rotated in place, each head
     first RMS-normalised with norm_weights = (q weight, k weight) when given; then, given kv_store,
-    the rotated keys and the values are written to their cache slots."""
+    the rotated keys and the values are written to their cache slots (a float8 cache quantised
+    with kv_store's k_scale and v_scale)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     assert q.stride(1) == head_dim and k.stride(1) == head_dim and q.stride(2) == k.stride(2) == 1
     assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
     q_weight, k_weight = norm_weights if norm_weights is not None else (q, k)   # unused
-    value, k_cache, v_cache, slots = kv_store if kv_store is not None else (k, k, k, positions)   # unused
+    value, k_cache, v_cache, slots, k_scale, v_scale = kv_store or KVStore(k, k, k, positions)   # unused
+    scale_stride = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    fp8 = is_fp8_cache(k_cache)
     if kv_store is not None:
         assert value.shape == k.shape and value.stride(1) == head_dim and value.stride(2) == 1
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == k.shape[1:]
     _rotary_kernel[(num_tokens,)](
         positions, q, k, cos_sin_cache, q_weight, k_weight, eps, q.stride(0), k.stride(0),
-        value, value.stride(0), k_cache, v_cache, slots,
+        value, value.stride(0), k_cache, v_cache, slots, *((k_scale, v_scale) if fp8 else (k, k)),
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, BLOCK_QH=triton.next_power_of_2(num_q_heads),
         BLOCK_KH=triton.next_power_of_2(num_k_heads), HALF=head_dim // 2, NORM=norm_weights is not None,
-        STORE=kv_store is not None, **pdl_launch(q))
+        STORE=kv_store is not None, KV_FP8=fp8, SCALE_STRIDE=scale_stride, **pdl_launch(q))
     return q, k

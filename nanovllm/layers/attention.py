@@ -4,6 +4,7 @@ Each step first writes the new tokens' keys and values into the cache at their s
 kernel does it as it rotates the keys: the model passes it `Attention.kv_store(v)`), then attends
 through the backend the model runner chose (nanovllm/attention/). A layer that attends without
 having stored its step's keys, or without a backend, raises instead of reading stale memory.
+A float8 cache comes with its scales (k_scale, v_scale), attached beside it; 16-bit caches have none.
 """
 import torch
 from torch import nn
@@ -19,6 +20,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.k_cache = self.v_cache = torch.empty(0)
+        self.k_scale: torch.Tensor | None = None   # float8 caches only: float32, 1 or num_kv_heads values
+        self.v_scale: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
         self._stored_for = None            # the step metadata whose K/V this layer last stored
 
@@ -29,7 +32,7 @@ class Attention(nn.Module):
             return None
         metadata = current_metadata()
         self._stored_for = metadata
-        return KVStore(v, self.k_cache, self.v_cache, metadata.slot_mapping)
+        return KVStore(v, self.k_cache, self.v_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [tokens, heads, head_dim], k/v: [tokens, kv_heads, head_dim], already in the cache
@@ -40,5 +43,6 @@ class Attention(nn.Module):
         if self.k_cache.numel() and self._stored_for is not metadata:
             raise RuntimeError("attention layer attends without having stored this step's keys and values: "
                                "the model must pass Attention.kv_store(v) to the rotary embedding")
-        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, metadata, self.scale)
+        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, metadata, self.scale, self.k_scale,
+                                 self.v_scale)
         return o.flatten(1, 2)

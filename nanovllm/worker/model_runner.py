@@ -21,6 +21,7 @@ from nanovllm.attention import choose_attention_backend, use_metadata
 from nanovllm.config import Config
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from nanovllm.models.registry import build_model
@@ -67,6 +68,7 @@ class ModelRunner:
         else:
             self.device = torch.device("cpu")
         self.workers: list[Worker] = []
+        self.graphs: DecodeGraphs | None = None   # captured last, once the pool exists
         self.needs_restart = False    # ranks went out of step (see _execute_with_workers)
         if self.world_size > 1:
             if rank == 0:
@@ -88,15 +90,17 @@ class ModelRunner:
         self.unseeded = np.random.default_rng()
         self.last_token_ids: torch.Tensor | None = None   # the last sampler output, on the device
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.backend = choose_attention_backend(self.device, self.attention_layers[0].num_kv_heads)
+        kv_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8" else config.torch_dtype
+        self.backend = choose_attention_backend(self.device, self.attention_layers[0].num_kv_heads, kv_dtype)
         for attn in self.attention_layers:
             attn.backend = self.backend
-        self.kv_cache = KVCache(self.attention_layers, self.block_size, config.torch_dtype, self.device)
+        self.kv_cache = KVCache(self.attention_layers, self.block_size, kv_dtype, self.device)
         self.num_kvcache_blocks = self._size_kv_cache()
+        if self.kv_cache.is_fp8:
+            self._calibrate_kv_scales()
         self.kv_cache.allocate(self.num_kvcache_blocks)
         if self.is_cuda:
             self._run_cached_prefill()
-        self.graphs: DecodeGraphs | None = None
         if self.is_cuda and not config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, config.min_kvcache_blocks,
                                        config.model_config.hidden_size, config.torch_dtype, self.device)
@@ -168,6 +172,24 @@ class ModelRunner:
         The memory warm-up cannot: it runs before the cache exists."""
         self.execute(StepInputs(True, np.zeros(1, np.int64), np.array([1]), np.array([-1]), np.array([2]),
                                 np.array([0, 1]), np.zeros((1, 1), np.int64), np.array([0])))
+
+    @torch.inference_mode()
+    def _calibrate_kv_scales(self, num_tokens: int = 512, headroom: float = 2.0) -> None:
+        """Scales of a float8 pool: a prefill of fixed pseudo-random tokens through a small pool in
+        the model's dtype, then per layer `headroom` times the largest |K| and |V| it stored, over
+        448 (e4m3's largest). The headroom keeps later, larger values from clipping; e4m3's error is
+        relative, so it costs only the smallest values some precision (docs/fp8_kv_cache.md)."""
+        n = min(num_tokens, self.config.max_model_len - 1)
+        num_blocks = -(-n // self.block_size)
+        probe = KVCache(self.attention_layers, self.block_size, self.config.torch_dtype, self.device)
+        probe.allocate(num_blocks)
+        token_ids = np.random.default_rng(0).integers(0, self.config.model_config.vocab_size, n)
+        positions = np.arange(n)
+        self.execute(StepInputs(True, token_ids, positions, positions, np.array([n]), np.array([0, n]),
+                                np.arange(num_blocks)[None], np.array([n - 1])))
+        absmax = probe.tensor.flatten(2).abs().amax(dim=2).float()     # [K or V, layer]
+        probe.release()
+        self.kv_cache.scales.copy_((headroom * absmax / FP8_MAX).clamp(min=SCALE_FLOOR).unsqueeze(-1))
 
     # ---- one step ------------------------------------------------------------------------------
 
