@@ -29,11 +29,13 @@ def main():
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--enable-prefix-caching", type=int, default=1, help="1 or 0")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = parser.parse_args()
 
     path = args.model or cached_random_checkpoint(args.config)
     llm = LLM(path, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
-              enforce_eager=args.enforce_eager, enable_prefix_caching=bool(args.enable_prefix_caching))
+              enforce_eager=args.enforce_eager, enable_prefix_caching=bool(args.enable_prefix_caching),
+              kv_cache_dtype=args.kv_cache_dtype)
 
     seed(0)
     prompts = [[randint(0, 10000) for _ in range(randint(args.min_input_len, args.max_input_len))]

@@ -11,6 +11,7 @@
 #   BASE="DIR" bash scripts/gpu_check.sh benches   # bench.py here and in DIR alternating (0.6B shape), then
 #                                                  # the other families' shapes with their floors (~9 min)
 #   bash scripts/gpu_check.sh cuda-tests          # the engine's CPU tests again on CUDA (graphs on) (~9 min)
+#   bash scripts/gpu_check.sh fp8                 # FP8 kernel checks and timings, bench.py auto vs fp8 (~6 min)
 # Logs go to $OUT (or ./gpu_logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -78,6 +79,16 @@ if [ "$stage" = benches ]; then
     python scripts/bench_floor.py configs/$shape.json 2>&1 | grep floor
     python bench.py --config configs/$shape.json 2>&1 | tee -a "$LOGS/bench_shapes.log" | grep -E "Throughput|nanovllm:" | sed "s|^|$shape: |"
   done
+fi
+if [ "$stage" = fp8 ]; then
+  python -m pytest -q -x tests/test_kernels_fp8.py tests/test_fp8_kv.py 2>&1 | tee "$LOGS/pytest_fp8.log" | tail -3
+  python scripts/fp8_kernel_check.py --no-sweep 2>&1 | tee "$LOGS/fp8_kernel_check.log" | tail -25
+  for run in 1 2; do
+    for kv in auto fp8; do
+      python bench.py --config configs/qwen3-0.6b.json --kv-cache-dtype $kv 2>&1 | grep -E "Throughput" | sed "s|^|qwen3-0.6b $kv: |"
+    done
+  done
+  python scripts/bench_floor.py configs/qwen3-0.6b.json --kv-bytes 1 2>&1 | grep floor
 fi
 if [ "$stage" = cuda-tests ]; then
   python -m pytest -q -x tests/test_gpu.py tests/test_kernels.py -s 2>&1 | tee "$LOGS/pytest_gpu.log" | grep -E "passed|failed|error|ours|Error" | tail -30
