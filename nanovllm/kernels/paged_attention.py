@@ -163,7 +163,8 @@ def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_out_seq, 
 
 # Programs per SM that decode_num_splits aims for. float8 programs read half the bytes per token,
 # so more of them keep as many bytes in flight: a first guess, for scripts/fp8_kernel_check.py to sweep.
-DECODE_PROGRAMS_PER_SM = {2: 4, 1: 8}   # by bytes per cached element
+FP8_DECODE_PROGRAMS_PER_SM = 8   # one byte per element keeps fewer bytes in flight per program
+DECODE_PROGRAMS_PER_SM = 4
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int,
@@ -171,7 +172,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int,
     """Context splits per sequence so that a decode step launches about four programs per SM for
     a 16-bit cache (H100 sweep, scripts/tune_decode_attention.py: splits pay only below ~32
     sequences), eight for a float8 one."""
-    per_sm = DECODE_PROGRAMS_PER_SM[torch.empty(0, dtype=cache_dtype).element_size()]
+    per_sm = FP8_DECODE_PROGRAMS_PER_SM if cache_dtype.itemsize == 1 else DECODE_PROGRAMS_PER_SM
     return max(1, min(16, -(-per_sm * num_sms // (num_seqs * num_kv_heads))))
 
 
