@@ -1,6 +1,7 @@
 """AsyncLLM on the CPU: streamed outputs against the engine's own offline outputs, aborts that
 free KV blocks, engine-thread failures that reach every caller, and shutdown."""
 import asyncio
+import re
 import time
 
 import pytest
@@ -47,6 +48,13 @@ def wait_until(condition, timeout: float = 10.0) -> bool:
     return condition()
 
 
+def stop_string_from(text: str, length: int) -> str:
+    """Plain letters from the second half of a greedy output: a stop string it is known to reach."""
+    match = re.search("[A-Za-z ]{%d}" % length, text[len(text) // 3:])
+    assert match, f"no {length} plain letters in {text!r}"
+    return match.group()
+
+
 def check_stream_matches(outs: list[dict], expected: dict) -> None:
     assert outs[-1]["finished"] and not any(o["finished"] for o in outs[:-1])
     assert "".join(o["delta_text"] for o in outs) == outs[-1]["text"] == expected["text"]
@@ -84,7 +92,7 @@ def test_stop_string_never_appears_in_deltas(llm, offline):
     prompt = "The capital of France"
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     text = offline.generate([prompt], greedy, use_tqdm=False)[0]["text"]
-    stop = text[len(text) // 2:len(text) // 2 + 3]      # three characters from the middle of the output
+    stop = stop_string_from(text, 3)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
     expected = offline.generate([prompt], params, use_tqdm=False)[0]
     assert expected["finish_reason"] == "stop" and stop not in expected["text"]

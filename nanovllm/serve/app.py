@@ -99,7 +99,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
             prompt = llm.apply_chat_template([message.for_template() for message in request.messages])
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param="messages")
-        max_tokens = request.max_completion_tokens or request.max_tokens
+        max_tokens = request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens
         if max_tokens is None:                      # as much as the context leaves
             max_tokens = max(1, llm.config.max_model_len - len(prompt))
         streams = await start(request, [prompt], max_tokens, request.num_logprobs)
