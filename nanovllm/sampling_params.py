@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from nanovllm.utils.validation import check_int, check_number
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5   # temperatures under this are greedy (as in vLLM): dividing by them overflows
 
 
 @dataclass(slots=True)
@@ -21,6 +22,11 @@ class SamplingParams:
     logprobs: int | None = None        # chosen token's logprob plus this many top alternatives
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (again: the engine calls this when a request is added, since fields can
+        be changed after construction) and normalise stop, stop_token_ids and tiny temperatures."""
         check_number("temperature", self.temperature, low=0.0)
         check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         check_number("min_p", self.min_p, low=0.0, high=1.0)
@@ -41,7 +47,7 @@ class SamplingParams:
         for token_id in stop_ids:
             check_int("stop_token_ids", token_id, low=0)
         self.stop_token_ids = stop_ids
-        self.temperature = float(self.temperature)
+        self.temperature = float(self.temperature) if self.temperature >= GREEDY_BELOW else 0.0
 
     @property
     def is_greedy(self) -> bool:

@@ -117,16 +117,18 @@ def test_engine_driven_step_by_step(model_paths, hf_greedy):
 
 def test_next_step_is_launched_before_the_tokens_of_the_last_arrive(model_paths, hf_greedy):
     """The host queues step N+1 while step N runs: N+1 reads N's tokens on the device, from
-    placeholders that stand in the sequences until N's tokens are collected."""
+    pending rows that stand in the sequences until N's tokens are collected."""
     llm = LLM(model_paths["gqa_tied"], kvcache_block_size=16)
     prompts = mixed_prompts(vocab_size(llm), lengths=(12, 30, 5))
     for p in prompts:
         llm.add_request(p, GREEDY)
     llm.step()                                              # prefill: launched, not collected
     assert llm.in_flight is not None
-    assert all(seq.token_ids[-1] < 0 for seq in llm.scheduler.running)
-    llm.step()                                              # decode launched from those placeholders
-    assert all(seq.token_ids[-1] < 0 and seq.token_ids[-2] >= 0 for seq in llm.scheduler.running)
+    assert all(seq.pending_row is not None and seq.num_tokens == len(seq.token_ids) + 1 == seq.num_prompt_tokens + 1
+               for seq in llm.scheduler.running)
+    llm.step()                                              # decode launched from those pending rows
+    assert all(seq.pending_row is not None and seq.num_completion_tokens == 2 and len(seq.completion_token_ids) == 1
+               for seq in llm.scheduler.running)
     finished = []
     while not llm.is_finished():
         finished += llm.step()

@@ -267,7 +267,7 @@ def test_block_pool_is_released_when_all_requests_finish():
 
 def test_overlapped_steps_match_the_plain_loop():
     """The engine's overlapped order: step N+1 is scheduled and computed, reading step N's tokens
-    'on the device' through the pending placeholders, before N's tokens are filled in. With EOS
+    'on the device' through the pending rows, before N's tokens are filled in. With EOS
     stops (so a finished sequence's next step is already queued), preemption of sequences whose
     token is pending, chunking and prefix hits, every request still ends with the output of a plain
     loop, every K/V read is right, and the pool is released."""
@@ -296,7 +296,7 @@ def test_overlapped_steps_match_the_plain_loop():
             pending = in_flight[1] if in_flight else []
             for seq, n in zip(batch.seqs, batch.num_new_tokens):    # the fake device computes
                 end = seq.num_computed_tokens + n
-                ids = [pending[-1 - t] if t < 0 else t for t in seq.token_ids[:end]]
+                ids = (seq.token_ids + [pending[seq.pending_row]] if seq.pending_row is not None else seq.token_ids)[:end]
                 keys = prefix_keys(ids)
                 for pos in range(end):
                     slot = (seq.block_table[pos // size], pos % size)
@@ -308,8 +308,8 @@ def test_overlapped_steps_match_the_plain_loop():
             # a sequence whose pending token is its last is not run again just to be thrown away
             assert all(s.num_completion_tokens < s.sampling_params.max_tokens and s.num_tokens < max_model_len
                        for s in sampled)
-            launched = (sampled, [next_token([pending[-1 - t] if t < 0 else t for t in s.token_ids])
-                                  for s in sampled])
+            launched = (sampled, [next_token(s.token_ids + [pending[s.pending_row]] if s.pending_row is not None
+                                             else s.token_ids) for s in sampled])
         if in_flight:
             sched.fill(*in_flight)
         in_flight = None

@@ -130,3 +130,16 @@ class BlockManager:
                 else:
                     self.empty_blocks.append(block_id)
         seq.block_table.clear()
+
+    def reset(self) -> None:
+        """Every block is free again (the engine dropped its sequences' blocks after an interrupted
+        step). Cached blocks keep their contents and stay findable; the rest become empty."""
+        for block in self.blocks:
+            block.ref_count = 0
+            if block.hash is not None and self.hash_to_block.get(block.hash) != block.block_id:
+                block.hash, block.token_ids = None, ()
+        self.hash_to_block = {h: b for h, b in self.hash_to_block.items() if self.blocks[b].hash == h}
+        cached = [b for b in self.evictable_blocks if self.blocks[b].hash is not None]   # LRU first
+        cached += [b.block_id for b in self.blocks if b.hash is not None and b.block_id not in self.evictable_blocks]
+        self.evictable_blocks = OrderedDict.fromkeys(cached)
+        self.empty_blocks = deque(b.block_id for b in self.blocks if b.hash is None)

@@ -6,7 +6,9 @@ every sequence whose prompt is fully computed. It never decides what runs; the s
 import contextlib
 import multiprocessing as mp
 import os
+import signal
 import socket
+import threading
 import time
 import traceback
 import weakref
@@ -72,6 +74,39 @@ def padded_block_tables(tables: list[list[int]]) -> np.ndarray:
     return out
 
 
+def pending_token_marker(row: int) -> int:
+    """The input id that stands for a token still on the device: row `row` of the last sampler output."""
+    return -1 - row
+
+
+def step_token_ids(seq: Sequence, start: int, end: int) -> list[int]:
+    """Input ids of seq's tokens [start, end), the pending one (if in range) as its marker."""
+    ids = seq.token_ids[start:end]
+    if seq.pending_row is not None and end == seq.num_tokens:
+        ids.append(pending_token_marker(seq.pending_row))
+    return ids
+
+
+@contextlib.contextmanager
+def deferred_keyboard_interrupt():
+    """Hold back a Ctrl-C (SIGINT) until the block ends, then raise it. Only the main thread gets
+    signals, so elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        if previous is signal.default_int_handler:
+            raise KeyboardInterrupt
+        if callable(previous):
+            previous(signal.SIGINT, None)
+
+
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype):
     previous = torch.get_default_dtype()
@@ -99,6 +134,7 @@ class ModelRunner:
         else:
             self.device = torch.device("cpu")
         self.workers: list[Worker] = []
+        self.needs_restart = False    # ranks went out of step (see _execute_with_workers)
         if self.world_size > 1:
             if rank == 0:
                 init_method, self.workers = start_workers(config)
@@ -216,7 +252,8 @@ class ModelRunner:
         size = self.block_size
         block_tables = padded_block_tables([seq.block_table for seq in seqs])
         if not batch.is_prefill:     # one token per sequence, its last; every sequence samples
-            lens_and_tokens = np.array([(len(seq.token_ids), seq.token_ids[-1]) for seq in seqs], dtype=np.int64)
+            lens_and_tokens = np.array([(seq.num_tokens, seq.token_ids[-1] if seq.pending_row is None
+                                         else pending_token_marker(seq.pending_row)) for seq in seqs], dtype=np.int64)
             context_lens, input_ids = lens_and_tokens[:, 0], lens_and_tokens[:, 1]
             positions = context_lens - 1
             slot_mapping = block_tables[np.arange(len(seqs)), positions // size] * size + positions % size
@@ -228,7 +265,7 @@ class ModelRunner:
         context_lens = starts + q_lens
         cu_seqlens_q = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu_seqlens_q[1:])
-        input_ids = np.concatenate([seq.token_ids[a:a + n] for seq, a, n in zip(seqs, starts, q_lens)])
+        input_ids = np.concatenate([step_token_ids(seq, a, a + n) for seq, a, n in zip(seqs, starts, q_lens)])
         positions = np.arange(cu_seqlens_q[-1]) - np.repeat(cu_seqlens_q[:-1] - starts, q_lens)
         seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
         slot_mapping = block_tables[seq_of_token, positions // size] * size + positions % size
@@ -241,15 +278,10 @@ class ModelRunner:
         """Queue one scheduled step (model and sampling) on the device and return without waiting,
         so the host can prepare the next step while this one runs."""
         inputs = self.prepare_step(batch)
-        for worker in self.workers:
-            worker.send(inputs)
-        try:
+        if self.workers:
+            logits = self._execute_with_workers(inputs)
+        else:
             logits = self.execute(inputs)
-        except RuntimeError:
-            for worker in self.workers:   # a collective failing because a rank died says so
-                worker.process.join(timeout=1)
-                worker.check_alive()
-            raise
         seqs = batch.sampled_seqs()
         if not seqs:
             return LaunchedStep(seqs)
@@ -262,6 +294,22 @@ class ModelRunner:
         if done is not None:
             done.record()
         return LaunchedStep(seqs, host, done)
+
+    def _execute_with_workers(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Send a step to the workers and run rank 0's share. A Ctrl-C waits until the step is done
+        (the ranks must meet in every collective); any other failure once the workers have the step
+        leaves the ranks apart, so the engine must start them anew (needs_restart)."""
+        with deferred_keyboard_interrupt():
+            for worker in self.workers:
+                worker.send(inputs)
+            try:
+                return self.execute(inputs)
+            except BaseException as error:
+                for worker in self.workers:   # a collective failing because a rank died says so
+                    worker.process.join(timeout=1)
+                    worker.check_alive()
+                self.needs_restart = True
+                raise error
 
     def collect(self, step: LaunchedStep) -> tuple[list[int], list[dict[int, float] | None]]:
         """Wait for a launched step; the token (and logprobs, where asked) of each sampled sequence."""
@@ -313,6 +361,9 @@ class ModelRunner:
     def close(self) -> None:
         """Stop the workers (rank 0), leave the process group and free this rank's device memory."""
         if self.workers:
+            if self.needs_restart:     # the workers wait in a collective rank 0 left: do not wait for them
+                for worker in self.workers:
+                    worker.process.kill()
             self._stop_workers()
         clean = all(worker.process.exitcode == 0 for worker in self.workers)
         set_context(None)
@@ -354,8 +405,10 @@ class ModelRunner:
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingTensors:
         params = [seq.sampling_params for seq in seqs]
-        values = np.array([(p.temperature, p.top_k, p.top_p, p.min_p) for p in params], dtype=np.float64)
-        temperatures, top_k, top_p, min_p = values.T
+        values = np.array([(p.temperature, p.top_p, p.min_p) for p in params], dtype=np.float64)
+        temperatures, top_p, min_p = values.T
+        vocab_size = self.config.hf_config.vocab_size
+        top_k = np.array([min(p.top_k, vocab_size) if p.top_k > 0 else 0 for p in params], dtype=np.int64)
         all_greedy = not temperatures.any()
         seeds = np.zeros(len(seqs), dtype=np.int64) if all_greedy else self.unseeded.integers(0, 2**63 - 1, len(seqs))
         banned, asked = {}, []
@@ -374,8 +427,7 @@ class ModelRunner:
         sampling = SamplingTensors(tensor(temperatures.astype(np.float32)), tensor(seeds), all_greedy,
                                    banned_tokens=banned, max_logprobs=max(asked) if asked else None)
         if (top_k > 0).any():
-            vocab_size = self.config.hf_config.vocab_size
-            sampling.top_k = tensor(np.where(top_k > 0, top_k, vocab_size).astype(np.int64))
+            sampling.top_k = tensor(np.where(top_k > 0, top_k, vocab_size))
         if (top_p < 1).any():
             sampling.top_p = tensor(top_p.astype(np.float32))
         if min_p.any():

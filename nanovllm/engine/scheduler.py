@@ -7,7 +7,9 @@ admitted sequence is preempted (its blocks freed, its tokens recomputed later).
 
 A step is recorded in two halves, because the engine schedules the next step before this one's
 tokens are back: advance (what the step computes, with a pending token per sampled sequence), then
-fill (the tokens, and the stops they cause).
+fill (the tokens, and the stops they cause). When a step is lost (an exception or Ctrl-C in the
+engine loop), `reset` takes every sequence back to the queue as a preemption would: pending tokens
+are dropped and everything is recomputed, so no state of the lost step survives.
 """
 from collections import deque
 from dataclasses import dataclass
@@ -45,6 +47,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # in admission order
         self.num_preemptions = 0
+        # cumulative counters, for metrics
+        self.num_prompt_tokens = self.num_generation_tokens = 0
+        self.prefix_cache_queries = self.prefix_cache_hits = 0    # prompt tokens looked up / found
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -85,6 +90,9 @@ class Scheduler:
             seq.num_computed_tokens = num_cached
             if not seq.admitted:
                 seq.admitted, seq.num_cached_tokens = True, num_cached
+                self.num_prompt_tokens += seq.num_prompt_tokens
+                self.prefix_cache_queries += seq.num_prompt_tokens
+                self.prefix_cache_hits += num_cached
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
             self.running.append(seq)
@@ -118,7 +126,7 @@ class Scheduler:
 
     def advance(self, batch: ScheduledBatch) -> list[Sequence]:
         """Record what a launched step computes, before its tokens are known: each sequence that
-        samples gets a pending token (see Sequence.add_pending_token). Returns those sequences."""
+        samples gets a pending token (see Sequence.pending_row). Returns those sequences."""
         sampled = batch.sampled_seqs()
         block_size = self.block_manager.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -130,7 +138,7 @@ class Scheduler:
                 self.block_manager.cache_computed_blocks(seq, before)
         for row, seq in enumerate(sampled):
             if not seq.is_finished:
-                seq.add_pending_token(row)
+                seq.pending_row = row
         return sampled
 
     def fill(self, seqs: list[Sequence], token_ids: list[int],
@@ -141,7 +149,8 @@ class Scheduler:
         for i, seq in enumerate(seqs):
             if seq.is_finished:                         # stopped before this step's token arrived
                 continue
-            seq.set_last_token(token_ids[i], logprobs[i] if logprobs else None)
+            seq.append_token(token_ids[i], logprobs[i] if logprobs else None)
+            self.num_generation_tokens += 1
             grown.append(seq)
             reason = self._stop_reason(seq)
             if reason:
@@ -163,8 +172,24 @@ class Scheduler:
         return seq.num_completion_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= self.max_model_len
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        """End seq (a stop, or "abort"): its blocks are free at once, even if a step in flight still
+        computes it; that step's token for it is then dropped (see fill)."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.pending_row = None
         self.block_manager.free(seq)
         # a sequence preempted while its last token was still being sampled waits in the queue
         (self.running if seq in self.running else self.waiting).remove(seq)
+
+    def reset(self) -> None:
+        """Forget the steps in flight: every running sequence goes back to the front of the queue, in
+        admission order, with no blocks and no pending token, to be recomputed. Whatever half-done
+        allocation an interruption left, the pool comes back whole (BlockManager.reset)."""
+        self.waiting.extendleft(reversed(self.running))
+        self.running.clear()
+        for seq in self.waiting:
+            seq.status = SequenceStatus.WAITING
+            seq.pending_row = None
+            seq.block_table.clear()
+            seq.num_computed_tokens = 0
+        self.block_manager.reset()

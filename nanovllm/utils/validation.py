@@ -1,4 +1,5 @@
 """Argument checks whose messages name the argument and the allowed range."""
+import math
 
 
 def check_int(name: str, value, low: int, high: int | None = None) -> None:
@@ -12,8 +13,10 @@ def check_int(name: str, value, low: int, high: int | None = None) -> None:
 def check_number(name: str, value, low: float, high: float | None = None, low_open: bool = False) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
     too_low = value <= low if low_open else value < low
-    if too_low or (high is not None and value > high) or value != value:
+    if too_low or (high is not None and value > high):
         if high is None:
             allowed = f"> {low}" if low_open else f">= {low}"
         else:
