@@ -95,7 +95,16 @@ class ResponseBuilder:
             offset += len(token)
         self.text_offset[index] = offset
         return {"tokens": [token for token, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": offsets}
+                "top_logprobs": [_first_per_key(top) for _, _, top in entries], "text_offset": offsets}
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+def _first_per_key(pairs: list[tuple[str, float]]) -> dict[str, float]:
+    """Completions key alternatives by token text; two tokens may decode alike (partial characters):
+    keep the likelier."""
+    top = {}
+    for token, logprob in pairs:
+        top.setdefault(token, logprob)
+    return top
