@@ -9,7 +9,7 @@ ignore_eos. Reports request and output-token throughput and TTFT, TPOT and end-t
     nanovllm serve ~/huggingface/Qwen3-0.6B --port 8000 &
     python bench_serving.py --port 8000 --request-rate 16 --save-result rate16.json
 
-Needs aiohttp (`pip install aiohttp`).
+Needs aiohttp (`pip install "nanovllm[bench]"` or `pip install aiohttp`).
 """
 import argparse
 import asyncio

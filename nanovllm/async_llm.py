@@ -8,6 +8,9 @@ request's outputs go back to its caller's event loop through an asyncio queue, o
     llm = AsyncLLM(path)
     async for out in llm.generate("introduce yourself", SamplingParams(max_tokens=64)):
         print(out["delta_text"], end="")
+
+Leaving the loop early aborts the request when the generator is closed: at once under
+`contextlib.aclosing(llm.generate(...))`, otherwise when Python finalizes it (soon after the loop).
 """
 import asyncio
 import logging
@@ -59,14 +62,17 @@ _ACCEPTED = object()    # first item of a delivery queue: the engine took the re
 
 
 class RequestStream:
-    """The outputs of one request as they arrive. Closing it (or leaving a `with` block) before
-    the last output aborts the request."""
+    """The outputs of one request as they arrive. Outputs that queued up while the reader was busy
+    come as one (their deltas joined), so a slow reader costs fewer, larger messages rather than
+    a growing backlog. Closing the stream (or leaving a `with` block) before the last output
+    aborts the request."""
 
     def __init__(self, llm: "AsyncLLM", request_id: Hashable, delivery: _Delivery):
         self.request_id = request_id
         self.finished = False
         self._llm = llm
         self._queue = delivery.queue
+        self._held_error: BaseException | None = None   # arrived behind outputs already joined
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -74,10 +80,17 @@ class RequestStream:
     async def __anext__(self) -> dict:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        item = self._held_error or await self._queue.get()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
+        while not item["finished"] and not self._queue.empty():
+            following = self._queue.get_nowait()
+            if isinstance(following, BaseException):
+                self._held_error = following
+                break
+            item = {**following, "delta_text": item["delta_text"] + following["delta_text"],
+                    "delta_token_ids": item["delta_token_ids"] + following["delta_token_ids"]}
         self.finished = item["finished"]
         return item
 

@@ -88,6 +88,22 @@ def test_concurrent_streams_equal_offline_outputs(llm, offline):
     assert max(len(outs) for outs in streamed) > 10      # outputs arrive as tokens come, not at the end
 
 
+def test_a_slow_reader_gets_joined_deltas(llm, offline):
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    expected = offline.generate(["slow reader"], params, use_tqdm=False)[0]
+
+    async def main():
+        outs = []
+        async for out in llm.generate("slow reader", params):
+            outs.append(out)
+            await asyncio.sleep(0.2)        # several engine steps pass per read
+        return outs
+
+    outs = run(main())
+    check_stream_matches(outs, expected)
+    assert len(outs) < 30 and any(len(o["delta_token_ids"]) > 1 for o in outs)
+
+
 def test_stop_string_never_appears_in_deltas(llm, offline):
     prompt = "The capital of France"
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
