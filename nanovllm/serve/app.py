@@ -16,6 +16,22 @@ from nanovllm.serve.responses import ResponseBuilder, sse
 from nanovllm.serve.sampling import sampling_params
 
 
+class ChoicesStreamingResponse(StreamingResponse):
+    """Server-sent events that abort their engine requests however the response ends, also when
+    the client leaves before the first chunk (when the chunk generator may never start)."""
+
+    def __init__(self, chunks: AsyncIterator[str], streams: list):
+        super().__init__(chunks, media_type="text/event-stream")
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self.streams:
+                stream.close()
+
+
 class APIKeyMiddleware:
     """401 for /v1/* requests without `Authorization: Bearer <api key>` (before the body is read)."""
 
@@ -64,7 +80,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
         choices_per_prompt = len(streams) // num_prompts
         if request.stream:
             chunks = stream_chunks(builder, streams, choices_per_prompt, request.include_usage, metrics)
-            return StreamingResponse(chunks, media_type="text/event-stream")
+            return ChoicesStreamingResponse(chunks, streams)
         finals = await unless_disconnected(http_request, collect(streams, metrics))
         prompt_tokens = sum(len(finals[i]["prompt_token_ids"]) for i in range(0, len(finals), choices_per_prompt))
         return JSONResponse(builder.response(finals, prompt_tokens))
@@ -88,7 +104,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
             prompts = request.prompts()
         except ValueError as e:
             raise APIError(400, str(e), param="prompt")
-        streams = await start(request, prompts, request.max_tokens, request.logprobs)
+        max_tokens = 16 if request.max_tokens is None else request.max_tokens      # OpenAI's default
+        streams = await start(request, prompts, max_tokens, request.logprobs)
         builder = ResponseBuilder(False, served_model_name, llm.tokenizer, request.logprobs)
         return await respond(http_request, request, builder, streams, len(prompts))
 

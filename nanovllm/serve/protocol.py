@@ -54,7 +54,6 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
-    max_tokens: int | None = 16
     logprobs: int | None = None
     echo: Literal[False] = False
 
