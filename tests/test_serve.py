@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.serve.cli import parse_args
 from tests.conftest import mixed_prompts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -442,6 +443,33 @@ def test_server_still_serves_after_bad_requests(server, client, offline):
                                          extra_body={"ignore_eos": True})
     assert response.choices[0].text == expected["text"]
     assert httpx.get(f"{server}/health").status_code == 200
+
+
+# ---- the command line -----------------------------------------------------------------------------
+
+def test_engine_arguments_become_flags():
+    args, engine_args = parse_args(["/models/m", "--port", "9001", "--api-key", "k", "--max-model-len", "256",
+                                    "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
+                                    "--tensor-parallel-size", "2", "--enforce-eager"])
+    assert (args.model, args.port, args.api_key, args.host) == ("/models/m", 9001, "k", "127.0.0.1")
+    assert engine_args == {"max_model_len": 256, "enable_prefix_caching": False, "gpu_memory_utilization": 0.5,
+                           "tensor_parallel_size": 2, "enforce_eager": True}
+    assert parse_args([])[0].model is None and parse_args([])[1] == {}      # engine defaults stay the engine's
+    with pytest.raises(SystemExit):
+        parse_args(["/models/m", "--max-model-len", "many"])
+
+
+def test_console_script_and_bad_model_exit_cleanly(tmp_path):
+    env = dict(os.environ, PYTHONPATH=REPO)
+    console = "import sys; from nanovllm.serve.cli import console; sys.argv = ['nanovllm'] + sys.argv[1:]; console()"
+    shown = subprocess.run([sys.executable, "-c", console, "serve", "--help"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "--max-num-seqs" in shown.stdout and "--api-key" in shown.stdout
+    wrong = subprocess.run([sys.executable, "-c", console, "serv"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert wrong.returncode != 0 and "nanovllm serve" in wrong.stderr
+    missing = subprocess.run([sys.executable, "-m", "nanovllm.serve", str(tmp_path / "none"), "--device", "cpu"],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1 and "model" in missing.stderr and "Traceback" not in missing.stderr
 
 
 # ---- bench_serving.py and shutdown ---------------------------------------------------------------
