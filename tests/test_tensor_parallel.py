@@ -2,6 +2,7 @@
 and shutdown. On a machine with 2+ GPUs the same tests run over NCCL (device="auto")."""
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 
@@ -43,7 +44,7 @@ def test_kv_head_replicated_when_fewer_kv_heads_than_ranks(tmp_path, hf_greedy):
     path = write_tiny_model(str(tmp_path), seed=3, num_attention_heads=4, num_key_value_heads=1)
     prompts = mixed_prompts(500, lengths=(3, 30, 12))
     with LLM(path, kvcache_block_size=16, tensor_parallel_size=2) as llm:
-        assert llm.model_runner.kv_cache.shape[-2] == 1     # each rank keeps the one KV head
+        assert llm.model_runner.kv_cache.tensor.shape[-2] == 1    # each rank keeps the one KV head
         out = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert out == [hf_greedy(path, p, 16) for p in prompts]
 
@@ -84,3 +85,48 @@ def test_tensor_parallel_size_is_checked(model_paths):
         LLM(path, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size=1024"):
         LLM(path, tensor_parallel_size=1024)
+
+
+def test_interrupts_on_the_tensor_parallel_path(model_paths, hf_greedy, monkeypatch):
+    """Each point of the loop interrupted under two ranks: afterwards the pool is consistent and
+    tokens equal transformers'. A failure in rank 0's forward pass, after the worker got the step,
+    restarts the worker; a Ctrl-C there waits for the step to end."""
+    from tests.test_interrupts import (Injected, assert_consistent, fail_on_call, failing_progress_bar,
+                                       injection_points, restore)
+    path = model_paths["gqa_tied"]
+    prompts = mixed_prompts(500, lengths=(30, 3, 17), seed=4)
+    expected = [hf_greedy(path, p, 16) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=["never appears\x00"])
+    with LLM(path, kvcache_block_size=16, tensor_parallel_size=2) as llm:
+        for point, error in [("scheduling", KeyboardInterrupt), ("forward pass", Injected),
+                             ("forward pass", KeyboardInterrupt), ("waiting for tokens", KeyboardInterrupt),
+                             ("stop strings", Injected), ("progress bar", KeyboardInterrupt)]:
+            workers = [w.process.pid for w in llm.model_runner.workers]
+            if point == "progress bar":
+                monkeypatch.setattr("nanovllm.engine.llm_engine.tqdm", failing_progress_bar(1, error))
+            else:
+                obj, name, k, after = injection_points(llm)[point]
+                fail_on_call(obj, name, k, error, after)
+            try:
+                with pytest.raises(error):
+                    llm.generate(prompts, params)
+            finally:
+                if point == "progress bar":
+                    monkeypatch.undo()
+                else:
+                    restore(obj, name)
+            restarted = workers != [w.process.pid for w in llm.model_runner.workers]
+            assert restarted == (point == "forward pass"), point
+            assert_consistent(llm)
+            assert llm.is_finished() and llm.block_manager.num_used_blocks == 0
+            assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected, point
+        # a real Ctrl-C, wherever it lands
+        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts * 4, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True),
+                         use_tqdm=False)
+        timer.join()
+        assert_consistent(llm)
+        assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+    assert not mp.active_children()

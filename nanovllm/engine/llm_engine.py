@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
+from nanovllm.worker.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
@@ -144,6 +144,8 @@ class LLMEngine:
         self.detokenizers.pop(request_id, None)
         if not seq.is_finished:
             self.scheduler.finish(seq, "abort")
+        if self.in_flight is not None and all(s.is_finished for s in self.in_flight.seqs):
+            self.in_flight = None     # no token of it is wanted; the device finishes it unobserved
         return True
 
     def is_finished(self) -> bool:
