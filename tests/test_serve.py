@@ -89,15 +89,21 @@ def path(model_paths) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(path):
+def server_process(path):
+    """The server every test here talks to; the last test stops it with SIGINT."""
     port = free_port()
     process = start_server(path, port, "--api-key", API_KEY, "--served-model-name", MODEL_NAME,
                            *engine_flags(ENGINE_ARGS))
     wait_ready(process, port)
-    yield f"http://127.0.0.1:{port}"
+    yield f"http://127.0.0.1:{port}", process
     if process.poll() is None:
-        process.send_signal(signal.SIGINT)
+        process.kill()
         process.wait(60)
+
+
+@pytest.fixture(scope="module")
+def server(server_process) -> str:
+    return server_process[0]
 
 
 @pytest.fixture(scope="module")
@@ -445,6 +451,42 @@ def test_server_still_serves_after_bad_requests(server, client, offline):
     assert httpx.get(f"{server}/health").status_code == 200
 
 
+def test_engine_failure_reaches_clients_and_health(path):
+    """In process (the app over an AsyncLLM whose engine fails mid-stream): the stream ends with an
+    error event, later requests get a 500 error body, /health turns 503; nothing hangs."""
+    import asyncio
+
+    from nanovllm import AsyncLLM
+    from nanovllm.serve.app import build_app
+
+    llm = AsyncLLM(path, **ENGINE_ARGS)
+    step_updates, calls = llm.engine.step_updates, []
+
+    def failing_step_updates():
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("device fell over")
+        return step_updates()
+
+    llm.engine.step_updates = failing_step_updates
+
+    async def main():
+        transport = httpx.ASGITransport(app=build_app(llm, MODEL_NAME))
+        async with httpx.AsyncClient(transport=transport, base_url="http://nanovllm") as client:
+            assert (await client.get("/health")).status_code == 200
+            streamed = await client.post("/v1/completions", json=dict(prompt="hi", max_tokens=50, stream=True,
+                                                                      ignore_eos=True))
+            events = [line for line in streamed.text.splitlines() if line]
+            assert events[-1] == "data: [DONE]" and "device fell over" in json.loads(events[-2][6:])["error"]["message"]
+            assert_error(await client.post("/v1/completions", json=dict(prompt="hi")), 500, None)
+            assert (await client.get("/health")).status_code == 503
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        llm.shutdown()
+
+
 # ---- the command line -----------------------------------------------------------------------------
 
 def test_engine_arguments_become_flags():
@@ -465,8 +507,6 @@ def test_console_script_and_bad_model_exit_cleanly(tmp_path):
     shown = subprocess.run([sys.executable, "-c", console, "serve", "--help"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0 and "--max-num-seqs" in shown.stdout and "--api-key" in shown.stdout
-    wrong = subprocess.run([sys.executable, "-c", console, "serv"], cwd=REPO, env=env, capture_output=True, text=True)
-    assert wrong.returncode != 0 and "nanovllm serve" in wrong.stderr
     missing = subprocess.run([sys.executable, "-m", "nanovllm.serve", str(tmp_path / "none"), "--device", "cpu"],
                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 1 and "model" in missing.stderr and "Traceback" not in missing.stderr
@@ -490,9 +530,30 @@ def test_bench_serving_against_the_server(server, tmp_path):
     assert "TTFT" in done.stdout and "p99" in done.stdout
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_aborts_streams_and_leaves_no_process(path, sig):
-    """With tensor_parallel_size=2 the server has a worker process; a signal mid-stream ends the
+def stream_then_signal(url: str, process: subprocess.Popen, sig: int, headers: dict | None = None) -> list[str]:
+    """Open a long stream, send sig once it flows; the server must exit with 0. The stream's lines."""
+    lines = []
+    body = dict(prompt="a long story", max_tokens=480, ignore_eos=True, stream=True)
+
+    def read_stream():
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=60) as s:
+            lines.extend(line for line in s.iter_lines() if line)
+
+    reader = threading.Thread(target=read_stream)
+    reader.start()
+    deadline = time.monotonic() + 60
+    while len(lines) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(sig)
+    assert process.wait(60) == 0, process.stdout.read()
+    reader.join(10)
+    assert lines[-1] == "data: [DONE]" and any('"error"' in line for line in lines)    # ended, not cut
+    assert len(lines) < 480
+    return lines
+
+
+def test_sigterm_aborts_streams_and_stops_the_workers(path):
+    """With tensor_parallel_size=2 the server has a worker process: SIGTERM mid-stream ends the
     stream, stops the worker and exits with status 0."""
     port = free_port()
     server = start_server(path, port, *engine_flags({**ENGINE_ARGS, "tensor_parallel_size": 2}))
@@ -500,26 +561,19 @@ def test_signal_aborts_streams_and_leaves_no_process(path, sig):
         wait_ready(server, port)
         children = child_pids(server.pid)
         assert children, "a tensor-parallel server has a worker process"
-        lines = []
-        body = dict(prompt="a long story", max_tokens=480, ignore_eos=True, stream=True)
-
-        def read_stream():
-            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as s:
-                lines.extend(line for line in s.iter_lines() if line)
-
-        reader = threading.Thread(target=read_stream)
-        reader.start()
-        deadline = time.monotonic() + 60
-        while len(lines) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        server.send_signal(sig)
-        assert server.wait(60) == 0, server.stdout.read()
-        reader.join(10)
-        assert lines[-1] == "data: [DONE]" and any('"error"' in line for line in lines)
-        assert len(lines) < 480
+        stream_then_signal(f"http://127.0.0.1:{port}", server, signal.SIGTERM)
         time.sleep(0.2)
         assert not [pid for pid in children if alive(pid)]
     finally:
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_sigint_stops_the_server_gracefully(server_process):
+    """Last in this file: it stops the server the other tests used."""
+    url, process = server_process
+    children = child_pids(process.pid)
+    stream_then_signal(url, process, signal.SIGINT, headers={"Authorization": f"Bearer {API_KEY}"})
+    time.sleep(0.2)
+    assert not [pid for pid in children if alive(pid)]
