@@ -57,7 +57,7 @@ class _Abort:
     done: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None   # set to "was it live"
 
 
-_STOP = object()
+_END_ALL = object()      # abort every live request; after shutdown() also stop the thread
 _ACCEPTED = object()    # first item of a delivery queue: the engine took the request
 
 
@@ -182,16 +182,15 @@ class AsyncLLM:
         return await done
 
     def abort_all(self) -> None:
-        """Abort every live request (their streams end with an EngineClosedError); thread-safe and
-        safe inside a signal handler."""
-        self._commands.put(_STOP)
+        """Abort every live request (their streams end with an EngineClosedError); thread-safe."""
+        self._commands.put(_END_ALL)
 
     def shutdown(self) -> None:
         """Abort every live request, stop the engine (and its workers) and the thread. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._commands.put(_STOP)
+        self._commands.put(_END_ALL)
         self._thread.join()
 
     def __enter__(self) -> "AsyncLLM":
@@ -235,7 +234,7 @@ class AsyncLLM:
         engine = self.engine
         while True:
             for command in self._drain(block=engine.is_finished()):
-                if command is _STOP:
+                if command is _END_ALL:
                     self._end_all(EngineClosedError("the engine is shutting down"))
                     if self._closed:
                         return
@@ -300,7 +299,7 @@ class AsyncLLM:
         """After a failure, answer every add with the error until shutdown, so nobody waits forever."""
         while True:
             command = self._commands.get()
-            if command is _STOP:
+            if command is _END_ALL:
                 if self._closed:
                     return
             elif isinstance(command, _Add):

@@ -8,7 +8,6 @@ import argparse
 import contextlib
 import signal
 import sys
-import types
 import typing
 from dataclasses import MISSING, fields
 
@@ -61,12 +60,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn, plus: the first SIGINT/SIGTERM aborts the engine's requests so that open streams
-    end at once, and the signal is not re-raised after shutdown, so the exit status is 0."""
+    """uvicorn, plus: shutting down first aborts the engine's requests, so that open streams end at
+    once instead of holding the shutdown; and a SIGINT/SIGTERM that stopped the server is not
+    re-raised afterwards (uvicorn does), so that the exit status is 0."""
 
-    def __init__(self, config: uvicorn.Config, on_exit: typing.Callable[[], None]):
+    def __init__(self, config: uvicorn.Config, on_shutdown: typing.Callable[[], None]):
         super().__init__(config)
-        self.on_exit = on_exit
+        self.on_shutdown = on_shutdown
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -77,10 +77,9 @@ class GracefulServer(uvicorn.Server):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def handle_exit(self, sig: int, frame: types.FrameType | None) -> None:
-        if not self.should_exit:
-            self.on_exit()
-        super().handle_exit(sig, frame)
+    async def shutdown(self, sockets=None) -> None:
+        self.on_shutdown()
+        await super().shutdown(sockets)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         app = build_app(llm, args.served_model_name or args.model or "nanovllm-demo", args.api_key)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=10)
-        GracefulServer(config, on_exit=llm.abort_all).run()
+        GracefulServer(config, on_shutdown=llm.abort_all).run()
     finally:
         llm.shutdown()
 
