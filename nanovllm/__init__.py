@@ -1,6 +1,6 @@
 """nanovllm: a small, readable offline LLM inference engine."""
 from nanovllm.async_llm import AsyncLLM
 from nanovllm.llm import LLM
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["AsyncLLM", "LLM", "SamplingParams"]
+__all__ = ["AsyncLLM", "LLM", "SamplingParams", "BeamSearchParams"]
