@@ -37,9 +37,11 @@ def engine_flags(engine_args: dict) -> list[str]:
     return [item for name, value in engine_args.items() for item in (f"--{name.replace('_', '-')}", str(value))]
 
 
-def start_server(path: str, port: int, *flags: str) -> subprocess.Popen:
+def start_server(path: str | None, port: int, *flags: str) -> subprocess.Popen:
+    """`python -m nanovllm.serve [path] --port port flags...` (no path: the demo model)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    command = [sys.executable, "-m", "nanovllm.serve", path, "--port", str(port), "--log-level", "warning", *flags]
+    command = [sys.executable, "-m", "nanovllm.serve", *([path] if path else []), "--port", str(port),
+               "--log-level", "warning", *flags]
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -530,10 +532,11 @@ def test_bench_serving_against_the_server(server, tmp_path):
     assert "TTFT" in done.stdout and "p99" in done.stdout
 
 
-def stream_then_signal(url: str, process: subprocess.Popen, sig: int, headers: dict | None = None) -> list[str]:
+def stream_then_signal(url: str, process: subprocess.Popen, sig: int, headers: dict | None = None,
+                       max_tokens: int = 480) -> list[str]:
     """Open a long stream, send sig once it flows; the server must exit with 0. The stream's lines."""
     lines = []
-    body = dict(prompt="a long story", max_tokens=480, ignore_eos=True, stream=True)
+    body = dict(prompt="a long story", max_tokens=max_tokens, ignore_eos=True, stream=True)
 
     def read_stream():
         with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=60) as s:
@@ -548,20 +551,26 @@ def stream_then_signal(url: str, process: subprocess.Popen, sig: int, headers: d
     assert process.wait(60) == 0, process.stdout.read()
     reader.join(10)
     assert lines[-1] == "data: [DONE]" and any('"error"' in line for line in lines)    # ended, not cut
-    assert len(lines) < 480
+    assert len(lines) < max_tokens
     return lines
 
 
-def test_sigterm_aborts_streams_and_stops_the_workers(path):
-    """With tensor_parallel_size=2 the server has a worker process: SIGTERM mid-stream ends the
-    stream, stops the worker and exits with status 0."""
+def test_demo_model_by_default_and_sigterm_stops_the_workers():
+    """No MODEL serves the bundled demo model (it knows its sums); with tensor_parallel_size=2 the
+    server has a worker process, and SIGTERM mid-stream ends the stream, stops the worker and
+    exits with status 0."""
     port = free_port()
-    server = start_server(path, port, *engine_flags({**ENGINE_ARGS, "tensor_parallel_size": 2}))
+    server = start_server(None, port, "--device", "cpu", "--tensor-parallel-size", "2", "--max-model-len", "1024")
     try:
         wait_ready(server, port)
         children = child_pids(server.pid)
         assert children, "a tensor-parallel server has a worker process"
-        stream_then_signal(f"http://127.0.0.1:{port}", server, signal.SIGTERM)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["nanovllm-demo"]
+        answer = client.chat.completions.create(model="nanovllm-demo", temperature=0, max_tokens=20,
+                                                messages=[{"role": "user", "content": "What is 123 + 456?"}])
+        assert "579" in answer.choices[0].message.content
+        stream_then_signal(f"http://127.0.0.1:{port}", server, signal.SIGTERM, max_tokens=1000)
         time.sleep(0.2)
         assert not [pid for pid in children if alive(pid)]
     finally:
