@@ -1,5 +1,6 @@
 """nanovllm: a small, readable offline LLM inference engine."""
+from nanovllm.async_llm import AsyncLLM
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams"]
+__all__ = ["AsyncLLM", "LLM", "SamplingParams", "BeamSearchParams"]

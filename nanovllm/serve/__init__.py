@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server over AsyncLLM: `nanovllm serve [MODEL]` or `python -m nanovllm.serve`."""

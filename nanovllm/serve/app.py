@@ -1,0 +1,203 @@
+"""The OpenAI-compatible HTTP app: routes over one AsyncLLM."""
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from nanovllm.async_llm import AsyncLLM, EngineClosedError, EngineDeadError
+from nanovllm.serve.choices import merge_choices, start_choices
+from nanovllm.serve.errors import APIError, error_body, error_response, install_error_handlers, request_field_error
+from nanovllm.serve.metrics import ServerMetrics
+from nanovllm.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from nanovllm.serve.responses import ResponseBuilder, sse
+from nanovllm.serve.sampling import sampling_params
+
+
+class ChoicesStreamingResponse(StreamingResponse):
+    """Server-sent events that abort their engine requests however the response ends, also when
+    the client leaves before the first chunk (when the chunk generator may never start)."""
+
+    def __init__(self, chunks: AsyncIterator[str], streams: list):
+        super().__init__(chunks, media_type="text/event-stream")
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self.streams:
+                stream.close()
+
+
+class APIKeyMiddleware:
+    """401 for /v1/* requests without `Authorization: Bearer <api key>` (before the body is read)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                          code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="nanovllm", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    metrics = ServerMetrics(llm.stats, served_model_name)
+    created = int(time.time())
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {served_model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def start(request: SamplingFields, prompts: list, max_tokens: int, logprobs: int | None):
+        try:
+            params = sampling_params(request, max_tokens, logprobs)
+            return await start_choices(llm, prompts, params, request.n)
+        except (ValueError, TypeError) as e:
+            raise request_field_error(e)
+        except EngineDeadError as e:
+            raise APIError(500, str(e))
+        except EngineClosedError as e:
+            raise APIError(503, str(e))
+
+    async def respond(http_request: Request, request: SamplingFields, builder: ResponseBuilder, streams,
+                      num_prompts: int):
+        """The whole response, or a stream of chunks; a client that goes away aborts its requests."""
+        choices_per_prompt = len(streams) // num_prompts
+        if request.stream:
+            chunks = stream_chunks(builder, streams, choices_per_prompt, request.include_usage, metrics)
+            return ChoicesStreamingResponse(chunks, streams)
+        finals = await unless_disconnected(http_request, collect(streams, metrics))
+        prompt_tokens = sum(len(finals[i]["prompt_token_ids"]) for i in range(0, len(finals), choices_per_prompt))
+        return JSONResponse(builder.response(finals, prompt_tokens))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not llm.is_alive:
+            return error_response(503, "the engine is not running")
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
+                                            "owned_by": "nanovllm", "root": llm.config.model,
+                                            "max_model_len": llm.config.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, http_request: Request):
+        check_model(request.model)
+        try:
+            prompts = request.prompts()
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt")
+        max_tokens = 16 if request.max_tokens is None else request.max_tokens      # OpenAI's default
+        streams = await start(request, prompts, max_tokens, request.logprobs)
+        builder = ResponseBuilder(False, served_model_name, llm.tokenizer, request.logprobs)
+        return await respond(http_request, request, builder, streams, len(prompts))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, http_request: Request):
+        check_model(request.model)
+        try:
+            prompt = llm.apply_chat_template([message.for_template() for message in request.messages])
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param="messages")
+        max_tokens = request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens
+        if max_tokens is None:                      # as much as the context leaves
+            max_tokens = max(1, llm.config.max_model_len - len(prompt))
+        streams = await start(request, [prompt], max_tokens, request.num_logprobs)
+        builder = ResponseBuilder(True, served_model_name, llm.tokenizer, request.num_logprobs)
+        return await respond(http_request, request, builder, streams, 1)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+async def collect(streams, metrics: ServerMetrics) -> list[dict]:
+    finals: list[dict | None] = [None] * len(streams)
+    try:
+        async for index, out in merge_choices(streams, metrics.observe_finished):
+            if out["finished"]:
+                finals[index] = out
+    except EngineDeadError as e:
+        raise APIError(500, str(e))
+    except EngineClosedError as e:
+        raise APIError(503, str(e))
+    if any(out["finish_reason"] == "abort" for out in finals):
+        raise APIError(503, "the request was aborted")
+    return finals
+
+
+async def stream_chunks(builder: ResponseBuilder, streams, choices_per_prompt: int, include_usage: bool,
+                        metrics: ServerMetrics) -> AsyncIterator[str]:
+    prompt_tokens = completion_tokens = 0
+    try:
+        if builder.chat:
+            for index in range(len(streams)):
+                yield sse(builder.role_chunk(index))
+        sent_logprobs = [0] * len(streams)
+        async for index, out in merge_choices(streams, metrics.observe_finished):
+            if out["finish_reason"] == "abort":
+                yield sse(error_body(503, "the request was aborted"))
+                break
+            token_ids, logprobs = new_logprobs(out, sent_logprobs, index) if builder.num_top_logprobs is not None \
+                else ([], None)
+            if out["delta_text"] or out["finished"] or logprobs:
+                yield sse(builder.delta_chunk(index, out, token_ids, logprobs))
+            if out["finished"]:
+                completion_tokens += len(out["token_ids"])
+                if index % choices_per_prompt == 0:
+                    prompt_tokens += len(out["prompt_token_ids"])
+        else:
+            if include_usage:
+                yield sse(builder.usage_chunk(prompt_tokens, completion_tokens))
+    except (EngineDeadError, EngineClosedError) as e:
+        yield sse(error_body(500 if isinstance(e, EngineDeadError) else 503, str(e)))
+    yield sse("[DONE]")
+
+
+def new_logprobs(out: dict, sent: list[int], index: int) -> tuple[list[int], list[dict] | None]:
+    """The tokens (and their logprobs) of this choice whose logprobs are not sent yet. Outputs
+    carry cumulative logprobs, possibly only on the last one."""
+    logprobs = out.get("logprobs")
+    if not logprobs or len(logprobs) <= sent[index]:
+        return [], None
+    start, sent[index] = sent[index], len(logprobs)
+    return out["token_ids"][start:len(logprobs)], logprobs[start:]
+
+
+async def unless_disconnected(request: Request, work):
+    """Run `work` unless the client disconnects first; then cancel it (which aborts its requests)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        gone.cancel()
+    if not task.done() or task.cancelled():
+        raise APIError(499, "the client disconnected")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

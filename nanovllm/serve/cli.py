@@ -1,0 +1,110 @@
+"""`nanovllm serve [MODEL] [--host] [--port] [--api-key] [--served-model-name] [engine arguments]`.
+
+Every engine argument of `nanovllm.config.Config` is a --kebab-case flag; flags not given keep the
+engine's defaults. SIGINT/SIGTERM abort the requests in flight, stop the engine and its workers,
+and exit with status 0.
+"""
+import argparse
+import contextlib
+import signal
+import sys
+import typing
+from dataclasses import MISSING, fields
+
+import uvicorn
+
+SERVER_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def engine_arg_fields() -> list:
+    from nanovllm.config import Config
+    return [f for f in fields(Config) if f.init and f.name != "model"]
+
+
+def _flag_type(field) -> type:
+    """int, float, str or bool, from the default or else the `X | None` annotation."""
+    if field.default is not None and field.default is not MISSING:
+        return type(field.default)
+    args = [a for a in typing.get_args(field.type) if a is not type(None)]
+    return args[0] if args else str
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanovllm serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", default=None,
+                        help="local Hugging Face checkpoint directory (default: the bundled demo model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    engine = parser.add_argument_group("engine arguments (see README)")
+    for field in engine_arg_fields():
+        flag = "--" + field.name.replace("_", "-")
+        kind = _flag_type(field)
+        if kind is bool:
+            engine.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=f"default: {field.default}")
+        else:
+            engine.add_argument(flag, dest=field.name, type=kind, default=argparse.SUPPRESS,
+                                help=f"default: {field.default}")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
+    """The server's options and the engine arguments that were given."""
+    args = build_parser().parse_args(argv)
+    engine_args = {f.name: getattr(args, f.name) for f in engine_arg_fields() if hasattr(args, f.name)}
+    return args, engine_args
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, plus: shutting down first aborts the engine's requests, so that open streams end at
+    once instead of holding the shutdown; and a SIGINT/SIGTERM that stopped the server is not
+    re-raised afterwards (uvicorn does), so that the exit status is 0."""
+
+    def __init__(self, config: uvicorn.Config, on_shutdown: typing.Callable[[], None]):
+        super().__init__(config)
+        self.on_shutdown = on_shutdown
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in SERVER_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    async def shutdown(self, sockets=None) -> None:
+        self.on_shutdown()
+        await super().shutdown(sockets)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, engine_args = parse_args(argv)
+    model = args.model
+    if model is None:
+        from nanovllm import demo          # imported here: only needed without MODEL
+        model = demo.model_path()
+    from nanovllm.async_llm import AsyncLLM
+    from nanovllm.serve.app import build_app
+    try:
+        llm = AsyncLLM(model, **engine_args)
+    except (ValueError, TypeError) as e:
+        sys.exit(f"nanovllm serve: {e}")
+    try:
+        app = build_app(llm, args.served_model_name or args.model or "nanovllm-demo", args.api_key)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=10)
+        GracefulServer(config, on_shutdown=llm.abort_all).run()
+    finally:
+        llm.shutdown()
+
+
+def console() -> None:
+    """The `nanovllm` command; `serve` is its one subcommand."""
+    if len(sys.argv) < 2 or sys.argv[1] != "serve":
+        sys.exit("usage: nanovllm serve [MODEL] [options]   (nanovllm serve --help for the options)")
+    main(sys.argv[2:])

@@ -1,0 +1,254 @@
+"""AsyncLLM on the CPU: streamed outputs against the engine's own offline outputs, aborts that
+free KV blocks, engine-thread failures that reach every caller, and shutdown."""
+import asyncio
+import re
+import time
+
+import pytest
+
+from nanovllm import LLM, AsyncLLM, SamplingParams
+from nanovllm.async_llm import EngineClosedError, EngineDeadError
+from tests.conftest import mixed_prompts
+
+ENGINE_ARGS = dict(device="cpu", max_model_len=512, kvcache_block_size=16, num_kvcache_blocks=96)
+
+
+@pytest.fixture(scope="module")
+def path(model_paths) -> str:
+    return model_paths["gqa_tied"]
+
+
+@pytest.fixture(scope="module")
+def llm(path):
+    llm = AsyncLLM(path, **ENGINE_ARGS)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline(path):
+    with LLM(path, **ENGINE_ARGS) as llm:
+        yield llm
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=120))
+
+
+async def stream_all(llm: AsyncLLM, prompt, params, request_id=None) -> list[dict]:
+    return [out async for out in llm.generate(prompt, params, request_id)]
+
+
+def wait_until(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+def stop_string_from(text: str, length: int) -> str:
+    """Plain letters from the second half of a greedy output: a stop string it is known to reach."""
+    match = re.search("[A-Za-z ]{%d}" % length, text[len(text) // 3:])
+    assert match, f"no {length} plain letters in {text!r}"
+    return match.group()
+
+
+def check_stream_matches(outs: list[dict], expected: dict) -> None:
+    assert outs[-1]["finished"] and not any(o["finished"] for o in outs[:-1])
+    assert "".join(o["delta_text"] for o in outs) == outs[-1]["text"] == expected["text"]
+    assert [t for o in outs for t in o["delta_token_ids"]] == outs[-1]["token_ids"] == expected["token_ids"]
+    for i, out in enumerate(outs):      # cumulative fields grow by the deltas
+        assert out["text"] == "".join(o["delta_text"] for o in outs[:i + 1])
+    assert outs[-1]["finish_reason"] == expected["finish_reason"]
+    assert set(outs[-1]["metrics"]) >= {"time_to_first_token", "time_per_output_token", "latency"}
+    assert "num_cached_tokens" in outs[-1]
+
+
+def test_concurrent_streams_equal_offline_outputs(llm, offline):
+    vocab = offline.config.hf_config.vocab_size
+    prompts = mixed_prompts(vocab, lengths=(3, 40, 17, 100, 9, 64))
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=5),
+              SamplingParams(temperature=1.0, top_k=20, seed=1, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=33, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.5, top_p=0.9, seed=3, max_tokens=12)]
+    expected = offline.generate(prompts, params, use_tqdm=False)
+
+    async def main():
+        return await asyncio.gather(*(stream_all(llm, p, sp) for p, sp in zip(prompts, params)))
+
+    streamed = run(main())
+    for outs, exp in zip(streamed, expected):
+        check_stream_matches(outs, exp)
+    for got, want in zip(streamed[4][-1]["logprobs"], expected[4]["logprobs"], strict=True):
+        assert got.keys() == want.keys() and all(abs(got[t] - want[t]) < 1e-4 for t in got)
+    assert max(len(outs) for outs in streamed) > 10      # outputs arrive as tokens come, not at the end
+
+
+def test_a_slow_reader_gets_joined_deltas(llm, offline):
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    expected = offline.generate(["slow reader"], params, use_tqdm=False)[0]
+
+    async def main():
+        outs = []
+        async for out in llm.generate("slow reader", params):
+            outs.append(out)
+            await asyncio.sleep(0.2)        # several engine steps pass per read
+        return outs
+
+    outs = run(main())
+    check_stream_matches(outs, expected)
+    assert len(outs) < 30 and any(len(o["delta_token_ids"]) > 1 for o in outs)
+
+
+def test_stop_string_never_appears_in_deltas(llm, offline):
+    prompt = "The capital of France"
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    text = offline.generate([prompt], greedy, use_tqdm=False)[0]["text"]
+    stop = stop_string_from(text, 3)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+    expected = offline.generate([prompt], params, use_tqdm=False)[0]
+    assert expected["finish_reason"] == "stop" and stop not in expected["text"]
+    outs = run(stream_all(llm, prompt, params))
+    check_stream_matches(outs, expected)
+    sent = ""
+    for out in outs:
+        sent += out["delta_text"]
+        assert stop not in sent
+
+
+def test_leaving_early_aborts_and_frees_blocks(llm):
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def main():
+        seen = 0
+        async for out in llm.generate("a long answer please", long):
+            seen += len(out["delta_token_ids"])
+            if seen >= 3:
+                break
+        return seen
+
+    assert run(main()) >= 3
+    assert wait_until(lambda: llm.engine.block_manager.num_used_blocks == 0)
+    assert wait_until(lambda: llm.stats()["num_running"] == 0 and llm.stats()["num_waiting"] == 0)
+
+
+def test_abort_by_request_id_ends_the_stream(llm):
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def main():
+        outs = []
+        async for out in llm.generate("abort me", long, request_id="to-abort"):
+            outs.append(out)
+            if len(outs) == 2:
+                assert await llm.abort("to-abort") is True
+        assert await llm.abort("to-abort") is False
+        return outs
+
+    outs = run(main())
+    assert outs[-1]["finished"] and outs[-1]["finish_reason"] == "abort"
+    assert len(outs[-1]["token_ids"]) < 400
+    assert wait_until(lambda: llm.engine.block_manager.num_used_blocks == 0)
+
+
+def test_bad_requests_raise_and_the_engine_keeps_serving(llm, offline):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def main():
+        with pytest.raises(ValueError, match="prompt"):
+            await stream_all(llm, "", params)
+        with pytest.raises(ValueError, match="prompt"):
+            await stream_all(llm, [10 ** 9], params)
+        with pytest.raises(TypeError, match="sampling_params"):
+            await stream_all(llm, "hi", {"temperature": 0})
+        running = llm.generate("first", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), "dup")
+        await running.__anext__()
+        with pytest.raises(ValueError):
+            await stream_all(llm, "second", params, request_id="dup")
+        await running.aclose()
+        return await stream_all(llm, "still fine", params)
+
+    outs = run(main())
+    check_stream_matches(outs, offline.generate(["still fine"], params, use_tqdm=False)[0])
+
+
+def test_engine_thread_error_reaches_every_caller(path):
+    llm = AsyncLLM(path, **ENGINE_ARGS)
+    step_updates = llm.engine.step_updates
+    calls = []
+
+    def failing_step_updates():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device fell over")
+        return step_updates()
+
+    llm.engine.step_updates = failing_step_updates    # set while the thread idles, before any request
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+
+    async def main():
+        results = await asyncio.gather(*(stream_all(llm, f"prompt {i}", params) for i in range(3)),
+                                       return_exceptions=True)
+        with pytest.raises(EngineDeadError):
+            await stream_all(llm, "after the failure", params)
+        return results
+
+    try:
+        results = run(main())
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert "device fell over" in str(results[0]) and isinstance(results[0].__cause__, RuntimeError)
+        assert not llm.is_alive
+    finally:
+        llm.shutdown()
+    assert not llm._thread.is_alive()
+
+
+def test_thread_idles_without_work(llm):
+    calls = []
+    step_updates = llm.engine.step_updates
+
+    def counted():
+        calls.append(1)
+        return step_updates()
+
+    llm.engine.step_updates = counted
+    try:
+        run(stream_all(llm, "hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
+        assert wait_until(lambda: llm.engine.is_finished())
+        time.sleep(0.05)
+        before = len(calls)
+        time.sleep(0.5)
+        assert len(calls) == before and before >= 4
+    finally:
+        del llm.engine.step_updates
+
+
+def test_shutdown_ends_waiting_callers_and_the_thread(path):
+    llm = AsyncLLM(path, **ENGINE_ARGS)
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def main():
+        stream = llm.generate("shut me down", long)
+        first = await stream.__anext__()
+        assert not first["finished"]
+        await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
+        with pytest.raises(EngineClosedError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineClosedError):
+            await stream_all(llm, "after shutdown", long)
+
+    run(main())
+    assert not llm._thread.is_alive()
+    assert llm.engine.model_runner is None          # the engine itself was shut down
+    llm.shutdown()                                  # idempotent
+
+
+def test_bad_engine_arguments_raise_from_the_constructor(path):
+    with pytest.raises(TypeError, match="unknown engine argument"):
+        AsyncLLM(path, device="cpu", not_an_argument=1)
+    with pytest.raises(ValueError, match="model"):
+        AsyncLLM(path + "-missing", device="cpu")
