@@ -53,19 +53,23 @@ class EngineReplica:
 
     def generate(self, requests: list[tuple[int, list[int], SamplingParams]]):
         """Run (prompt index, token ids, params) requests; yields lists of (prompt index, output)
-        as they finish. Requests left behind by a cancelled call finish unseen in the next one."""
+        as they finish. A cancelled call aborts the requests it leaves behind."""
         index_of = {self.llm.add_request(token_ids, params): index for index, token_ids, params in requests}
         finished: list[tuple[int, dict]] = []
         remaining, last_report = len(index_of), float("-inf")     # the first finished go at once
-        while remaining:
-            for output in self.llm.step():
-                index = index_of.pop(output["request_id"], None)
-                if index is not None:
-                    finished.append((index, output))
-                    remaining -= 1
-            if finished and (not remaining or time.monotonic() - last_report >= REPORT_INTERVAL_S):
-                yield finished
-                finished, last_report = [], time.monotonic()
+        try:
+            while remaining:
+                for output in self.llm.step():
+                    index = index_of.pop(output["request_id"], None)
+                    if index is not None:
+                        finished.append((index, output))
+                        remaining -= 1
+                if finished and (not remaining or time.monotonic() - last_report >= REPORT_INTERVAL_S):
+                    yield finished
+                    finished, last_report = [], time.monotonic()
+        finally:
+            for request_id in index_of:
+                self.llm.abort(request_id)
 
     def shutdown(self) -> None:
         if self.llm is not None:
