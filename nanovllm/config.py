@@ -111,8 +111,8 @@ def load_hf_config(model: str) -> PretrainedConfig:
     if not glob.glob(os.path.join(model, "*.safetensors")):
         raise ValueError(f"model: {model!r} has no *.safetensors weight files")
     hf_config = AutoConfig.from_pretrained(model)
-    if hf_config.model_type != "qwen3":
-        raise ValueError(f"model: only Qwen3 checkpoints are supported, got model_type={hf_config.model_type!r}")
+    if hf_config.model_type not in ("qwen3", "qwen3_moe"):
+        raise ValueError(f"model: only Qwen3 and Qwen3-MoE checkpoints are supported, got model_type={hf_config.model_type!r}")
     return hf_config
 
 

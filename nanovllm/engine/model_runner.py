@@ -29,6 +29,7 @@ from nanovllm.kernels.paged_attention import decode_num_splits
 from nanovllm.layers.attention import Attention, choose_attention_backend
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
 from nanovllm.utils.context import AttentionContext, set_context
 from nanovllm.utils.loader import load_model
 
@@ -145,7 +146,8 @@ class ModelRunner:
                                     world_size=self.world_size, rank=rank, timeout=timedelta(minutes=10))
         hf_config = config.hf_config
         with torch.device(self.device), default_dtype(config.torch_dtype):
-            self.model = Qwen3ForCausalLM(hf_config)
+            moe = hf_config.architectures[0] == "Qwen3MoeForCausalLM"
+            self.model = (Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM)(hf_config)
         load_model(self.model, config.model)
         self.model.eval()
         if conn is not None:

@@ -7,6 +7,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from nanovllm.layers.moe import expert_checkpoint_names, expert_weight_target
+
 
 def default_weight_loader(param: nn.Parameter, loaded) -> None:
     param.data.copy_(loaded[:])
@@ -23,8 +25,11 @@ def load_model(model: nn.Module, path: str) -> None:
                 if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.tie_word_embeddings):
                     continue
                 target, shard = name, ()
+                expert = expert_weight_target(name)     # one expert's projection: stacked by expert
+                if expert is not None:
+                    target, shard = expert[0], expert[1:]
                 for part, (merged, shard_id) in packed.items():
-                    if f".{part}." in name:
+                    if expert is None and f".{part}." in name:
                         target, shard = name.replace(part, merged), (shard_id,)
                         break
                 param = params.get(target)
@@ -34,7 +39,8 @@ def load_model(model: nn.Module, path: str) -> None:
                 with torch.no_grad():
                     loader(param, f.get_slice(name), *shard)
                 loads[target] += 1
-    expected = {name: 1 for name in params}
+    expected = {name: len(expert_checkpoint_names(name, param.num_experts)) if hasattr(param, "num_experts") else 1
+                for name, param in params.items()}
     for name in params:
         for part, (merged, _) in packed.items():
             if f".{merged}." in name:
