@@ -77,7 +77,7 @@ def test_checkpoint_has_per_expert_tensors_and_one_dense_layer(moe_path):
 
 def test_mixed_batch_matches_transformers(moe_path, hf_greedy):
     llm = LLM(moe_path, kvcache_block_size=16)
-    prompts = mixed_prompts(llm.config.hf_config.vocab_size)
+    prompts = mixed_prompts(llm.config.hf_config.vocab_size, lengths=(1, 3, 17, 40, 64, 7))
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_matches_transformers(llm, outputs, prompts, hf_greedy)
     assert llm.block_manager.num_used_blocks == 0
