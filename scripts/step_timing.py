@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from nanovllm import LLM
-from nanovllm.engine.model_runner import StepInputs
+from nanovllm.worker.step_inputs import StepInputs
 from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode_attention
 from nanovllm.layers.sampler import SamplingTensors
 from nanovllm.utils.random_checkpoint import cached_random_checkpoint
@@ -57,10 +57,10 @@ def main():
     hf = config.hf_config
     block_size, vocab = config.kvcache_block_size, hf.vocab_size
     used_blocks = 256 * -(-args.context // block_size)
-    runner.kv_cache[:, :, :used_blocks].normal_()      # never time on zeros
+    runner.kv_cache.tensor[:, :, :used_blocks].normal_()      # never time on zeros
     kv_bytes_per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim * 2
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    print(f"weights {weight_bytes / 1e9:.2f} GB, KV {kv_bytes_per_token} bytes/token, SMs {runner.num_sms}")
+    print(f"weights {weight_bytes / 1e9:.2f} GB, KV {kv_bytes_per_token} bytes/token, SMs {runner.backend.num_sms}")
 
     print("\nbatch | decode step ms (model+LM head+sampling) | GB/s of weights+KV | attention kernel ms (one layer) | its GB/s")
     for batch in (1, 64, 256):
@@ -73,7 +73,7 @@ def main():
         q = torch.randn(batch, layer.num_heads, layer.head_dim, device="cuda", dtype=config.torch_dtype)
         lens = torch.full((batch,), args.context, device="cuda")
         tables = torch.from_numpy(inputs.block_tables).cuda()
-        splits = decode_num_splits(batch, layer.num_kv_heads, runner.num_sms)
+        splits = decode_num_splits(batch, layer.num_kv_heads, runner.backend.num_sms)
         attn_ms = median_ms(lambda: paged_decode_attention(q, layer.k_cache, layer.v_cache, lens, tables,
                                                            layer.scale, splits), reps=100)
         attn_bytes = batch * args.context * kv_bytes_per_token / hf.num_hidden_layers

@@ -82,7 +82,7 @@ def test_qwen3_06b_shape_bf16_logits_within_bf16_tolerance(qwen3_06b_path):
     assert not decode.is_prefill and runner.graphs
     decode_inputs = runner.prepare_step(decode)
     decode_logits = runner.execute(decode_inputs)
-    graphs, runner.graphs = runner.graphs, {}
+    graphs, runner.graphs = runner.graphs, None
     eager_logits = runner.execute(decode_inputs)      # same step without the CUDA graph
     runner.graphs = graphs
     assert relative_error(decode_logits, eager_logits) < 1e-2

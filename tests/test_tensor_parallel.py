@@ -44,7 +44,7 @@ def test_kv_head_replicated_when_fewer_kv_heads_than_ranks(tmp_path, hf_greedy):
     path = write_tiny_model(str(tmp_path), seed=3, num_attention_heads=4, num_key_value_heads=1)
     prompts = mixed_prompts(500, lengths=(3, 30, 12))
     with LLM(path, kvcache_block_size=16, tensor_parallel_size=2) as llm:
-        assert llm.model_runner.kv_cache.shape[-2] == 1     # each rank keeps the one KV head
+        assert llm.model_runner.kv_cache.tensor.shape[-2] == 1    # each rank keeps the one KV head
         out = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert out == [hf_greedy(path, p, 16) for p in prompts]
 

@@ -1,0 +1,78 @@
+"""The GPU default: Triton paged kernels, PyTorch's fused attention for plain prefills."""
+import dataclasses
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from nanovllm.attention.base import AttentionBackend, AttentionMetadata
+from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode_attention, paged_prefill_attention
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+    _VARLEN_PARAMS = inspect.signature(varlen_attn).parameters
+except ImportError:   # torch < 2.10
+    varlen_attn, _VARLEN_PARAMS = None, {}
+
+
+@dataclasses.dataclass(slots=True)
+class TritonMetadata(AttentionMetadata):
+    num_splits: int = 1               # decode: context splits per sequence (see paged_decode_attention)
+
+
+class TritonAttention(AttentionBackend):
+    def __init__(self, num_sms: int, num_kv_heads: int):
+        self.num_sms, self.num_kv_heads = num_sms, num_kv_heads
+
+    def metadata(self, is_prefill, slot_mapping, context_lens, block_tables, cu_seqlens_q, host_context_lens,
+                 host_cu_seqlens_q) -> TritonMetadata:
+        common = super().metadata(is_prefill, slot_mapping, context_lens, block_tables, cu_seqlens_q,
+                                  host_context_lens, host_cu_seqlens_q)
+        return TritonMetadata(*_fields(common), num_splits=self._num_splits(len(host_context_lens)))
+
+    def decode_metadata(self, slot_mapping, context_lens, block_tables) -> TritonMetadata:
+        return TritonMetadata(False, slot_mapping, context_lens, block_tables,
+                              num_splits=self._num_splits(len(context_lens)))
+
+    def _num_splits(self, num_seqs: int) -> int:
+        return decode_num_splits(num_seqs, self.num_kv_heads, self.num_sms)
+
+    def forward(self, q, k, v, k_cache, v_cache, metadata, scale):
+        if not metadata.is_prefill:
+            return paged_decode_attention(q, k_cache, v_cache, metadata.context_lens, metadata.block_tables,
+                                          scale, metadata.num_splits)
+        if metadata.has_cached_context:
+            return paged_prefill_attention(q, k_cache, v_cache, metadata.cu_seqlens_q, metadata.max_seqlen_q,
+                                           metadata.context_lens, metadata.block_tables, scale)
+        return causal_varlen_attention(q, k, v, metadata.cu_seqlens_q, metadata.max_seqlen_q, scale)
+
+
+def _fields(metadata: AttentionMetadata) -> tuple:
+    return tuple(getattr(metadata, f.name) for f in dataclasses.fields(AttentionMetadata))
+
+
+def causal_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                            max_seqlen: int, scale: float) -> torch.Tensor:
+    """Causal attention of packed sequences over their own tokens only."""
+    if varlen_attn is not None and q.dtype in (torch.float16, torch.bfloat16):
+        kwargs = {}
+        if "enable_gqa" in _VARLEN_PARAMS:
+            kwargs["enable_gqa"] = True
+        elif k.shape[1] != q.shape[1]:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        if "scale" in _VARLEN_PARAMS:
+            kwargs["scale"] = scale
+        if "is_causal" in _VARLEN_PARAMS:
+            kwargs["is_causal"] = True
+        else:
+            kwargs["window_size"] = (-1, 0)
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k[start:end].transpose(0, 1),
+                                           v[start:end].transpose(0, 1), is_causal=True, scale=scale,
+                                           enable_gqa=True)
+        out[start:end] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,297 @@
+"""The device side of the engine: launch a scheduled step, collect its tokens.
+
+It turns a ScheduledBatch into StepInputs (step_inputs.py), runs the model (eagerly, or by replaying
+a CUDA graph for decode: cuda_graph.py) over the paged pool (kv_cache.py), and samples one token for
+every sequence whose prompt is fully computed (sampling_inputs.py). Under tensor parallelism rank 0
+also sends each step to the worker processes (tp.py). It never decides what runs; the scheduler does.
+"""
+import contextlib
+import os
+import time
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nanovllm.attention import choose_attention_backend, use_metadata
+from nanovllm.config import Config
+from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
+from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
+from nanovllm.utils.loader import load_model
+from nanovllm.worker.cuda_graph import DecodeGraphs
+from nanovllm.worker.kv_cache import KVCache, cpu_budget_bytes
+from nanovllm.worker.sampling_inputs import build_sampling_tensors, logprobs_by_row
+from nanovllm.worker.step_inputs import StepInputs, build_step_inputs
+from nanovllm.worker.tp import LOADED, Worker, deferred_keyboard_interrupt, start_workers, stop_workers
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step queued on the device: the sequences it samples, in row order, and host copies of its
+    sampler output that are valid once `done` has passed."""
+    seqs: list[Sequence]
+    out: SamplerOutput | None = None
+    done: torch.cuda.Event | None = None
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class ModelRunner:
+    """One rank's runner. Rank 0 (in the engine's process) starts the other ranks as worker
+    processes and sends them every step's StepInputs; they only run the model."""
+
+    def __init__(self, config: Config, rank: int = 0, init_method: str | None = None,
+                 conn: Connection | None = None):
+        self.config = config
+        self.rank = rank
+        self.world_size = config.tensor_parallel_size
+        self.block_size = config.kvcache_block_size
+        if config.device == "cuda":
+            self.device = torch.device("cuda", rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.workers: list[Worker] = []
+        self.needs_restart = False    # ranks went out of step (see _execute_with_workers)
+        if self.world_size > 1:
+            if rank == 0:
+                init_method, self.workers = start_workers(config)
+                self._stop_workers = weakref.finalize(self, stop_workers, self.workers)
+            if not self.is_cuda:   # ranks share the cores
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+            dist.init_process_group("nccl" if self.is_cuda else "gloo", init_method=init_method,
+                                    world_size=self.world_size, rank=rank, timeout=timedelta(minutes=10))
+        with torch.device(self.device), default_dtype(config.torch_dtype):
+            moe = config.hf_config.architectures[0] == "Qwen3MoeForCausalLM"
+            self.model = (Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM)(config.hf_config)
+        load_model(self.model, config.model)
+        self.model.eval()
+        if conn is not None:
+            conn.send(LOADED)
+        for worker in self.workers:     # before the first collective, which would hang on a dead rank
+            worker.expect(LOADED)
+        self.sampler = Sampler()
+        self.unseeded = np.random.default_rng()
+        self.last_token_ids: torch.Tensor | None = None   # the last sampler output, on the device
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.backend = choose_attention_backend(self.device, self.attention_layers[0].num_kv_heads)
+        for attn in self.attention_layers:
+            attn.backend = self.backend
+        self.kv_cache = KVCache(self.attention_layers, self.block_size, config.torch_dtype, self.device)
+        self.num_kvcache_blocks = self._size_kv_cache()
+        self.kv_cache.allocate(self.num_kvcache_blocks)
+        if self.is_cuda:
+            self._run_cached_prefill()
+        self.graphs: DecodeGraphs | None = None
+        if self.is_cuda and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, config.min_kvcache_blocks,
+                                       config.hf_config.hidden_size, config.torch_dtype, self.device)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    # ---- KV pool size ----------------------------------------------------------------------------
+
+    def _size_kv_cache(self) -> int:
+        config = self.config
+        if config.num_kvcache_blocks != -1:
+            return config.num_kvcache_blocks
+        if self.is_cuda:
+            num_blocks = self._blocks_that_fit_on_gpu()
+        else:
+            wanted = config.max_num_seqs * config.min_kvcache_blocks
+            num_blocks = max(config.min_kvcache_blocks,
+                             min(wanted, self.kv_cache.blocks_for_bytes(cpu_budget_bytes(self.world_size))))
+        if self.world_size > 1:        # one block manager serves every rank
+            fewest = torch.tensor([num_blocks], device=self.device)
+            dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
+            num_blocks = int(fewest.item())
+        if num_blocks < config.min_kvcache_blocks:
+            raise ValueError(
+                f"gpu_memory_utilization={config.gpu_memory_utilization} leaves room for "
+                f"{max(num_blocks, 0)} KV blocks, fewer than the {config.min_kvcache_blocks} "
+                f"one sequence of max_model_len needs")
+        return num_blocks
+
+    def _blocks_that_fit_on_gpu(self) -> int:
+        """Run the largest step without a cache, then give what is left to KV blocks."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._warmup()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        not_torch = total - free - torch.cuda.memory_reserved(self.device)
+        return self.kv_cache.blocks_for_bytes(total * self.config.gpu_memory_utilization - not_torch - peak)
+
+    @torch.inference_mode()
+    def _warmup(self) -> None:
+        config = self.config
+        seq_len = min(config.max_model_len, config.max_num_batched_tokens)
+        lens = [seq_len] * (config.max_num_batched_tokens // seq_len)
+        if config.max_num_batched_tokens % seq_len:
+            lens.append(config.max_num_batched_tokens % seq_len)
+        lens = lens[:config.max_num_seqs]
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        num_tokens = int(cu[-1])
+        inputs = StepInputs(True, np.zeros(num_tokens, np.int64), np.concatenate([np.arange(n) for n in lens]),
+                            np.full(num_tokens, -1), np.array(lens), cu, np.zeros((len(lens), 1), np.int64),
+                            cu[1:] - 1)
+        self.execute(inputs)
+        # the largest decode batch's logits and sampling
+        hidden = torch.zeros(config.max_num_seqs, config.hf_config.hidden_size, device=self.device)
+        logits = self.model.compute_logits(hidden.to(config.torch_dtype))
+        rows = config.max_num_seqs
+        if self.rank == 0:
+            self.sampler(logits, SamplingTensors(torch.ones(rows, device=self.device),
+                                                 torch.zeros(rows, dtype=torch.int64, device=self.device)))
+        torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def _run_cached_prefill(self) -> None:
+        """One prefill token over one cached one, writing nothing: compiles the kernels of that path
+        (prefix-cache hits, later chunks of a prompt) now, not in the middle of the first requests.
+        The memory warm-up cannot: it runs before the cache exists."""
+        self.execute(StepInputs(True, np.zeros(1, np.int64), np.array([1]), np.array([-1]), np.array([2]),
+                                np.array([0, 1]), np.zeros((1, 1), np.int64), np.array([0])))
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def prepare_step(self, batch: ScheduledBatch) -> StepInputs:
+        return build_step_inputs(batch, self.block_size)
+
+    def prepare_sampling(self, seqs: list[Sequence]) -> SamplingTensors:
+        return build_sampling_tensors(seqs, self.config.hf_config.vocab_size, self.config.eos_token_ids,
+                                      self.unseeded, self._host_to_device)
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Queue one scheduled step (model and sampling) on the device and return without waiting,
+        so the host can prepare the next step while this one runs."""
+        inputs = self.prepare_step(batch)
+        logits = self._execute_with_workers(inputs) if self.workers else self.execute(inputs)
+        seqs = batch.sampled_seqs()
+        if not seqs:
+            return LaunchedStep(seqs)
+        out = self.sampler(logits, self.prepare_sampling(seqs))
+        self.last_token_ids = out.token_ids      # the next step reads its pending tokens from here
+        to_host = lambda t: None if t is None else t.to("cpu", non_blocking=True)  # noqa: E731
+        host = SamplerOutput(to_host(out.token_ids), to_host(out.logprobs), to_host(out.top_logprobs),
+                             to_host(out.top_token_ids))
+        done = torch.cuda.Event() if self.is_cuda else None
+        if done is not None:
+            done.record()
+        return LaunchedStep(seqs, host, done)
+
+    def _execute_with_workers(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Send a step to the workers and run rank 0's share. A Ctrl-C waits until the step is done
+        (the ranks must meet in every collective); any other failure once the workers have the step
+        leaves the ranks apart, so the engine must start them anew (needs_restart)."""
+        with deferred_keyboard_interrupt():
+            for worker in self.workers:
+                worker.send(inputs)
+            try:
+                return self.execute(inputs)
+            except BaseException as error:
+                for worker in self.workers:   # a collective failing because a rank died says so
+                    worker.process.join(timeout=1)
+                    worker.check_alive()
+                self.needs_restart = True
+                raise error
+
+    def collect(self, step: LaunchedStep) -> tuple[list[int], list[dict[int, float] | None]]:
+        """Wait for a launched step; the token (and logprobs, where asked) of each sampled sequence."""
+        if not step.seqs:
+            return [], []
+        self._wait_for_device(step.done)
+        return step.out.token_ids.tolist(), logprobs_by_row(step.out, step.seqs)
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Run the model on one step's inputs; logits of the sampled rows (on rank 0)."""
+        num_tokens = len(inputs.input_ids)
+        graph_size = self.graphs.size_for(inputs) if self.graphs else 0
+        if graph_size:
+            hidden = self.graphs.replay(inputs, graph_size, self.read_pending_tokens)
+        else:
+            input_ids, positions, slot_mapping, context_lens, cu_seqlens_q, block_tables = self._to_device(
+                inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.context_lens,
+                inputs.cu_seqlens_q, inputs.block_tables)
+            if inputs.input_ids.min() < 0:
+                input_ids = self.read_pending_tokens(input_ids)
+            metadata = self.backend.metadata(inputs.is_prefill, slot_mapping, context_lens, block_tables,
+                                             cu_seqlens_q, inputs.context_lens, inputs.cu_seqlens_q)
+            with use_metadata(metadata):
+                hidden = self.model(input_ids, positions)
+        rows = inputs.logits_indices
+        if len(rows) != num_tokens:
+            hidden = hidden[self._host_to_device(rows)]
+        return self.model.compute_logits(hidden)
+
+    def _wait_for_device(self, done: torch.cuda.Event | None) -> None:
+        """With workers on GPUs, a dead rank would leave a step hanging in NCCL: wait by polling."""
+        if done is None:
+            return
+        if not self.workers:
+            done.synchronize()
+            return
+        while not done.query():
+            for worker in self.workers:
+                worker.check_alive()
+            time.sleep(0.0001)
+
+    def close(self) -> None:
+        """Stop the workers (rank 0), leave the process group and free this rank's device memory."""
+        if self.workers:
+            if self.needs_restart:     # the workers wait in a collective rank 0 left: do not wait for them
+                for worker in self.workers:
+                    worker.process.kill()
+            self._stop_workers()
+        clean = all(worker.process.exitcode == 0 for worker in self.workers)
+        self.graphs = self.model = self.last_token_ids = None
+        self.kv_cache.release()
+        if dist.is_initialized():
+            if clean:
+                dist.destroy_process_group()
+            else:   # a rank died: do not wait for it (a plain destroy can hang on NCCL)
+                try:
+                    dist.distributed_c10d._abort_process_group()
+                except (AttributeError, RuntimeError):
+                    dist.destroy_process_group()
+        if self.is_cuda:
+            torch.cuda.empty_cache()
+
+    def read_pending_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Ids -1 - row stand for tokens the previous step sampled, still only on the device."""
+        rows = (-1 - input_ids).clamp_(min=0)
+        return torch.where(input_ids < 0, self.last_token_ids[rows], input_ids)
+
+    def _host_to_device(self, array: np.ndarray) -> torch.Tensor:
+        """Through pinned memory, so the copy neither waits for the device nor holds up the host."""
+        data = torch.from_numpy(array)
+        return data.pin_memory().to(self.device, non_blocking=True) if self.is_cuda else data
+
+    def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """One host-to-device copy for all of a step's int arrays."""
+        data = self._host_to_device(np.concatenate([a.ravel() for a in arrays]).astype(np.int64))
+        out, offset = [], 0
+        for a in arrays:
+            out.append(data[offset:offset + a.size].view(a.shape))
+            offset += a.size
+        return out

@@ -1,0 +1,59 @@
+"""The sampler's per-row tensors for the sequences a step samples, and the logprobs it returns."""
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import xxhash
+
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.sampler import SamplerOutput, SamplingTensors
+
+
+def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: tuple[int, ...],
+                           unseeded: np.random.Generator,
+                           to_device: Callable[[np.ndarray], torch.Tensor]) -> SamplingTensors:
+    params = [seq.sampling_params for seq in seqs]
+    values = np.array([(p.temperature, p.top_p, p.min_p) for p in params], dtype=np.float64)
+    temperatures, top_p, min_p = values.T
+    top_k = np.array([min(p.top_k, vocab_size) if p.top_k > 0 else 0 for p in params], dtype=np.int64)
+    all_greedy = not temperatures.any()
+    seeds = np.zeros(len(seqs), dtype=np.int64) if all_greedy else unseeded.integers(0, 2**63 - 1, len(seqs))
+    banned, asked = {}, []
+    for row, p in enumerate(params):   # most rows ask for none of these; skip them cheaply
+        if p.seed is None and not p.min_tokens and p.logprobs is None:
+            continue
+        num_generated = seqs[row].num_completion_tokens
+        if p.seed is not None and not all_greedy:
+            # a seeded request's noise depends only on its seed and how many tokens it has made
+            seeds[row] = xxhash.xxh64_intdigest(f"{p.seed}/{num_generated}".encode()) >> 1
+        if num_generated < p.min_tokens:
+            banned[row] = ([] if p.ignore_eos else list(eos_token_ids)) + p.stop_token_ids
+        if p.logprobs is not None:
+            asked.append(p.logprobs)
+    sampling = SamplingTensors(to_device(temperatures.astype(np.float32)), to_device(seeds), all_greedy,
+                               banned_tokens=banned, max_logprobs=max(asked) if asked else None)
+    if (top_k > 0).any():
+        sampling.top_k = to_device(np.where(top_k > 0, top_k, vocab_size))
+    if (top_p < 1).any():
+        sampling.top_p = to_device(top_p.astype(np.float32))
+    if min_p.any():
+        sampling.min_p = to_device(min_p.astype(np.float32))
+    return sampling
+
+
+def logprobs_by_row(out: SamplerOutput, seqs: list[Sequence]) -> list[dict[int, float] | None]:
+    """Per sampled sequence that asked: its chosen token's logprob and its top alternatives."""
+    if out.logprobs is None:
+        return [None] * len(seqs)
+    chosen, ids = out.token_ids.tolist(), out.top_token_ids.tolist()
+    chosen_lp, top_lp = out.logprobs.tolist(), out.top_logprobs.tolist()
+    result = []
+    for row, seq in enumerate(seqs):
+        n = seq.sampling_params.logprobs
+        if n is None:
+            result.append(None)
+            continue
+        entry = dict(zip(ids[row][:n], top_lp[row][:n]))
+        entry[chosen[row]] = chosen_lp[row]
+        result.append(entry)
+    return result

@@ -1,0 +1,107 @@
+"""Tensor-parallel worker processes: started by rank 0 with spawn, fed every step's StepInputs
+through a pipe, watched so that a dead one is an error instead of a hang."""
+import contextlib
+import multiprocessing as mp
+import signal
+import socket
+import threading
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from nanovllm.config import Config
+from nanovllm.worker.step_inputs import StepInputs
+
+LOADED = "loaded"
+
+
+@dataclass
+class Worker:
+    """Rank 0's handle on a worker process and the pipe that carries its steps."""
+    rank: int
+    process: mp.Process
+    conn: Connection
+
+    def check_alive(self) -> None:
+        if not self.process.is_alive():
+            raise RuntimeError(f"tensor-parallel worker {self.rank} died (exit code {self.process.exitcode}); "
+                               "this engine cannot continue, shut it down and start a new one")
+
+    def send(self, inputs: StepInputs) -> None:
+        self.check_alive()
+        self.conn.send(inputs)
+
+    def expect(self, message: str) -> None:
+        while not self.conn.poll(0.05):
+            self.check_alive()
+        received = self.conn.recv()
+        if received != message:
+            raise RuntimeError(f"tensor-parallel worker {self.rank} failed to start:\n{received}")
+
+
+def start_workers(config: Config) -> tuple[str, list[Worker]]:
+    with socket.socket() as s:           # a free port for the process group's rendezvous
+        s.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    context = mp.get_context("spawn")
+    workers = []
+    for rank in range(1, config.tensor_parallel_size):
+        parent_end, child_end = context.Pipe()
+        process = context.Process(target=worker_main, args=(config, rank, init_method, child_end),
+                                  name=f"nanovllm-tp-rank{rank}", daemon=True)
+        process.start()
+        child_end.close()
+        workers.append(Worker(rank, process, parent_end))
+    return init_method, workers
+
+
+def stop_workers(workers: list[Worker]) -> None:
+    for worker in workers:
+        if worker.process.is_alive():
+            try:
+                worker.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+    for worker in workers:
+        worker.process.join(timeout=30)
+        if worker.process.is_alive():
+            worker.process.kill()
+            worker.process.join()
+        worker.conn.close()
+
+
+def worker_main(config: Config, rank: int, init_method: str, conn: Connection) -> None:
+    """A worker rank: build the same model shard, then run every step rank 0 sends until told to stop."""
+    from nanovllm.worker.model_runner import ModelRunner
+    try:
+        runner = ModelRunner(config, rank, init_method, conn)
+    except BaseException:
+        conn.send(traceback.format_exc())
+        return
+    try:
+        while (inputs := conn.recv()) is not None:
+            runner.execute(inputs)
+    except EOFError:                      # rank 0's process is gone
+        pass
+    finally:
+        runner.close()
+
+
+@contextlib.contextmanager
+def deferred_keyboard_interrupt():
+    """Hold back a Ctrl-C (SIGINT) until the block ends, then raise it. Only the main thread gets
+    signals, so elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        if previous is signal.default_int_handler:
+            raise KeyboardInterrupt
+        if callable(previous):
+            previous(signal.SIGINT, None)
