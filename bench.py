@@ -18,8 +18,8 @@ from nanovllm.utils.random_checkpoint import cached_random_checkpoint
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="local Hugging Face Qwen3 checkpoint directory")
-    source.add_argument("--config", help="config.json of a Qwen3 shape; weights are random")
+    source.add_argument("--model", help="local Hugging Face checkpoint directory of a supported family")
+    source.add_argument("--config", help="config.json of a model shape (see configs/); weights are random")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--min-input-len", type=int, default=100)
     parser.add_argument("--max-input-len", type=int, default=1024)

@@ -1,5 +1,5 @@
 """nanovllm: a small, readable offline LLM inference engine."""
 from nanovllm.llm import LLM
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams"]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from nanovllm.models.model_config import ModelConfig
 from nanovllm.utils.validation import check_int, check_number
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -27,6 +28,7 @@ class Config:
     enforce_eager: bool = False
     # Derived from the arguments and the checkpoint, not passed by users.
     hf_config: PretrainedConfig = field(init=False, repr=False)
+    model_config: ModelConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
     eos_token_ids: tuple[int, ...] = field(init=False)
 
@@ -41,6 +43,7 @@ class Config:
     def __post_init__(self):
         self.model = os.path.expanduser(str(self.model))
         self.hf_config = load_hf_config(self.model)
+        self.model_config = ModelConfig.from_hf(self.hf_config)
         self._check_device()
         self._check_sizes()
         self.torch_dtype = self._resolve_dtype()
@@ -59,17 +62,22 @@ class Config:
             raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} CUDA devices are visible")
         if self.device == "cpu" and tp > (os.cpu_count() or 1):
             raise ValueError(f"tensor_parallel_size={tp} but this machine has only {os.cpu_count()} CPU cores")
-        heads, kv_heads = self.hf_config.num_attention_heads, self.hf_config.num_key_value_heads
+        heads, kv_heads = self.model_config.num_heads, self.model_config.num_kv_heads
         if heads % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={heads}")
         if kv_heads % tp and tp % kv_heads:
             raise ValueError(f"tensor_parallel_size={tp} and num_key_value_heads={kv_heads}: one must divide the other")
 
     def _check_sizes(self):
-        limit = self.hf_config.max_position_embeddings
+        limit = self.model_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = min(4096, limit)
         check_int("max_model_len", self.max_model_len, 2, limit)
+        window = self.model_config.sliding_window
+        if window is not None and window < self.max_model_len:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is longer than the model's sliding_window={window}, and "
+                f"sliding-window attention is not supported; pass max_model_len <= {window}")
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -97,38 +105,21 @@ class Config:
         if self.dtype == "auto":
             if self.device == "cpu":
                 return torch.float32
-            return checkpoint_dtype(self.hf_config)
+            return self.model_config.dtype
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         return DTYPES[self.dtype]
 
 
 def load_hf_config(model: str) -> PretrainedConfig:
+    """The checkpoint's config.json as transformers reads it; `ModelConfig.from_hf` says if we can run it."""
     if not os.path.isdir(model):
         raise ValueError(f"model: {model!r} is not a local directory (nanovllm loads local checkpoints only)")
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ValueError(f"model: {model!r} has no config.json")
     if not glob.glob(os.path.join(model, "*.safetensors")):
         raise ValueError(f"model: {model!r} has no *.safetensors weight files")
-    hf_config = AutoConfig.from_pretrained(model)
-    if hf_config.model_type not in ("qwen3", "qwen3_moe"):
-        raise ValueError(f"model: only Qwen3 and Qwen3-MoE checkpoints are supported, got model_type={hf_config.model_type!r}")
-    return hf_config
-
-
-def rope_theta(hf_config: PretrainedConfig) -> float:
-    """transformers 5 keeps rope_theta inside rope_parameters; older configs have it at the top level."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    if theta is None:
-        raise ValueError("config.json has neither rope_theta nor rope_parameters.rope_theta")
-    return float(theta)
-
-
-def checkpoint_dtype(hf_config: PretrainedConfig) -> torch.dtype:
-    """transformers 5 calls it dtype, older configs torch_dtype; bfloat16 when neither says."""
-    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.bfloat16
-    return DTYPES[dtype] if isinstance(dtype, str) else dtype
+    return AutoConfig.from_pretrained(model)
 
 
 def read_eos_token_ids(model: str, hf_config: PretrainedConfig) -> tuple[int, ...]:

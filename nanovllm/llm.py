@@ -3,4 +3,4 @@ from nanovllm.engine.llm_engine import LLMEngine
 
 
 class LLM(LLMEngine):
-    """An offline engine over one local Hugging Face Qwen3 checkpoint (see README for the arguments)."""
+    """An offline engine over one local Hugging Face checkpoint of a supported family (see README)."""

@@ -9,6 +9,7 @@ GREEDY_BELOW = 1e-5   # temperatures under this are greedy (as in vLLM): dividin
 
 @dataclass(slots=True)
 class SamplingParams:
+    n: int = 1                         # independent completions of the prompt
     temperature: float = 1.0           # 0 means greedy
     top_k: int = -1                    # -1 or 0: off
     top_p: float = 1.0                 # 1.0: off
@@ -27,6 +28,7 @@ class SamplingParams:
     def validate(self) -> None:
         """Check every field (again: the engine calls this when a request is added, since fields can
         be changed after construction) and normalise stop, stop_token_ids and tiny temperatures."""
+        check_int("n", self.n, low=1)
         check_number("temperature", self.temperature, low=0.0)
         check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         check_number("min_p", self.min_p, low=0.0, high=1.0)
@@ -53,3 +55,23 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """Beam search as vLLM does it: at each step every live beam proposes its 2 * beam_width most
+    likely next tokens; candidates ending in EOS finish, the best beam_width others live on."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        check_int("beam_width", self.beam_width, low=1, high=MAX_LOGPROBS // 2)
+        check_int("max_tokens", self.max_tokens, low=1)
+        check_number("length_penalty", self.length_penalty, low=float("-inf"))
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")

@@ -119,6 +119,28 @@ class BlockManager:
                 block.token_ids = tuple(seq.token_ids[i * size:(i + 1) * size])
                 self.hash_to_block[block.hash] = block.block_id
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child shares every block of parent (it was forked from it)."""
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+
+    def num_shared_blocks(self, seq: Sequence, first_position: int) -> int:
+        """Blocks of seq from the one holding first_position on that other sequences hold too."""
+        return sum(1 for b in seq.block_table[first_position // self.block_size:] if self.blocks[b].ref_count > 1)
+
+    def copy_on_write(self, seq: Sequence, first_position: int) -> list[tuple[int, int]]:
+        """Give seq its own copy of each shared block it will write (from first_position on);
+        returns the (source, destination) block copies the device must make before the step."""
+        copies = []
+        for i in range(first_position // self.block_size, len(seq.block_table)):
+            block = self.blocks[seq.block_table[i]]
+            if block.ref_count > 1:
+                block.ref_count -= 1
+                seq.block_table[i] = self._take_free_block()
+                copies.append((block.block_id, seq.block_table[i]))
+        return copies
+
     def free(self, seq: Sequence) -> None:
         # Tail blocks are released first so they are evicted before the shared-looking head blocks.
         for block_id in reversed(seq.block_table):

@@ -22,6 +22,7 @@ class IncrementalDetokenizer:
         self.read_offset = 0           # last time; they give the new tokens their context
         self.num_text_sent = 0         # characters of text already handed out as deltas
         self.num_tokens_sent = 0       # completion tokens already reported
+        self.finished_sent = False     # the sequence's end has been reported
 
     def update(self, completion_ids: list[int], find_stop: bool = True, final: bool = False) -> None:
         """Decode the tokens not seen yet; look for a stop string in the new text if find_stop.

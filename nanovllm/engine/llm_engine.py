@@ -15,12 +15,13 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanovllm.config import Config
+from nanovllm.engine.beam_search import BeamSearch
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.worker.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -51,12 +52,14 @@ class LLMEngine:
         # Tensor-parallel workers need every step's token ids on the host first, so they do not.
         self.overlap = config.tensor_parallel_size == 1
         self.in_flight: LaunchedStep | None = None
-        self.requests: dict[Hashable, Sequence] = {}        # added, and not yet returned or aborted
+        self.requests: dict[Hashable, Sequence] = {}        # first sequence of each request added, and
+                                                            # not yet returned or aborted
         self.finished_outputs: dict[Hashable, dict] = {}    # finished, not yet returned
-        self.detokenizers: dict[Hashable, IncrementalDetokenizer] = {}   # made when text is needed early
+        # made when text is needed before a sequence ends (stop strings, streaming); by (request, index)
+        self.detokenizers: dict[tuple[Hashable, int], IncrementalDetokenizer] = {}
         self.num_prefill_tokens = self.num_decode_tokens = 0   # of the last step, for the progress bar
         capacity = self.model_runner.num_kvcache_blocks * config.kvcache_block_size
-        print(f"nanovllm: {config.hf_config.num_hidden_layers}-layer Qwen3 on {config.device} "
+        print(f"nanovllm: {config.model_config.num_layers}-layer {config.model_config.architecture} on {config.device} "
               f"({str(config.torch_dtype).removeprefix('torch.')}), KV cache {self.model_runner.num_kvcache_blocks} "
               f"blocks x {config.kvcache_block_size} tokens = {capacity} tokens")
 
@@ -101,7 +104,7 @@ class LLMEngine:
         if len(token_ids) >= limit:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len={limit} allows at most "
                              f"{limit - 1} so that at least one token can be generated")
-        vocab_size = self.config.hf_config.vocab_size
+        vocab_size = self.config.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
@@ -112,7 +115,7 @@ class LLMEngine:
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         sampling_params.validate()
-        vocab_size = self.config.hf_config.vocab_size
+        vocab_size = self.config.model_config.vocab_size
         bad = [t for t in sampling_params.stop_token_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
@@ -137,13 +140,14 @@ class LLMEngine:
     def abort(self, request_id: Hashable) -> bool:
         """Drop a request: its blocks are freed at once (also while a step in flight computes it) and
         nothing more is reported for it. False if no such request is live or waiting to be returned."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
+        first = self.requests.pop(request_id, None)
+        if first is None:
             return False
         self.finished_outputs.pop(request_id, None)
-        self.detokenizers.pop(request_id, None)
-        if not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
+        for seq in first.group:
+            self.detokenizers.pop((request_id, seq.index), None)
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
         if self.in_flight is not None and all(s.is_finished for s in self.in_flight.seqs):
             self.in_flight = None     # no token of it is wanted; the device finishes it unobserved
         return True
@@ -176,20 +180,30 @@ class LLMEngine:
         return [self._take_output(request_id) for request_id in list(self.finished_outputs)]
 
     def step_updates(self) -> list[RequestUpdate]:
-        """Run one scheduled step; how every request that advanced in it did, with text deltas."""
-        grown = self._run_step()
-        advanced = {seq.request_id: seq for seq in grown if seq.request_id in self.requests}
-        for request_id in self.finished_outputs:          # also outputs an interrupted step left
-            advanced.setdefault(request_id, self.requests[request_id])
+        """Run one scheduled step; how every sequence that advanced in it did, with text deltas. The
+        update that ends a request carries its output. (Beam searches report only at the end, to
+        beam_search or step.)"""
+        advanced = {id(seq): seq for seq in self._run_step()
+                    if seq.request_id in self.requests and seq.beam_search is None}
+        for request_id in self.finished_outputs:      # also endings an interrupted step left unreported
+            for seq in self.requests[request_id].group:
+                if self.requests[request_id].beam_search is None:
+                    advanced.setdefault(id(seq), seq)
         updates = []
-        for request_id, seq in advanced.items():
+        for seq in advanced.values():
             detokenizer = self._detokenizer(seq)
+            if detokenizer.finished_sent:
+                continue
             completion = seq.completion_token_ids
             detokenizer.update(completion, find_stop=False, final=seq.is_finished)   # stops: see _collect
+            detokenizer.finished_sent = seq.is_finished
             updates.append(RequestUpdate(
-                request_id, 0, detokenizer.new_token_ids(completion), detokenizer.delta(final=seq.is_finished),
-                detokenizer.visible_text, completion, seq.is_finished, seq.finish_reason,
-                self._take_output(request_id) if seq.is_finished else None))
+                seq.request_id, seq.index, detokenizer.new_token_ids(completion),
+                detokenizer.delta(final=seq.is_finished), detokenizer.visible_text, completion, seq.is_finished,
+                seq.finish_reason, None))
+        for update in reversed(updates):              # the last update of a finished request
+            if update.request_id in self.finished_outputs:
+                update.output = self._take_output(update.request_id)
         return updates
 
     def _run_step(self) -> list[Sequence]:
@@ -208,7 +222,8 @@ class LLMEngine:
         if launched is not None:
             self.scheduler.advance(batch)
             self.in_flight = launched
-            if not self.overlap:
+            # beams are chosen on the host before their next step: no overlap for a step with beams
+            if not self.overlap or any(seq.beam_search is not None for seq in launched.seqs):
                 grown += self._collect()
         self.num_prefill_tokens = batch.num_tokens if batch.is_prefill else 0
         self.num_decode_tokens = 0 if batch.is_prefill else batch.num_tokens
@@ -218,22 +233,73 @@ class LLMEngine:
         """Wait for the step in flight and put its tokens in place; the sequences that got one."""
         step, self.in_flight = self.in_flight, None
         token_ids, logprobs = self.model_runner.collect(step)
-        grown = self.scheduler.fill(step.seqs, token_ids, logprobs)
+        beams = [row for row, seq in enumerate(step.seqs) if seq.beam_search is not None]
+        if beams:
+            self._propose_beams(step.seqs, beams, logprobs)
+            rows = [row for row, seq in enumerate(step.seqs) if seq.beam_search is None]
+            seqs, token_ids = [step.seqs[row] for row in rows], [token_ids[row] for row in rows]
+            logprobs = [logprobs[row] for row in rows]
+        else:
+            seqs = step.seqs
+        grown = self.scheduler.fill(seqs, token_ids, logprobs)
         for seq in grown:
             if seq.sampling_params.stop:
                 self._apply_stop_strings(seq)
             if seq.is_finished:
-                self.finished_outputs[seq.request_id] = self._output(seq)
+                self._store_output_if_done(seq.request_id)
         return grown
+
+    def _propose_beams(self, seqs: list[Sequence], rows: list[int], logprobs: list[dict[int, float]]) -> None:
+        """Record each beam's candidates; choose for every beam search whose live beams all have."""
+        searches = {}
+        for row in rows:
+            beam = seqs[row]
+            if beam.is_finished:
+                continue
+            beam.pending_row, beam.beam_candidates = None, logprobs[row]
+            searches[id(beam.beam_search)] = beam.beam_search
+        for search in searches.values():
+            if search.ready():
+                self._choose_beams(search)
+
+    def _choose_beams(self, search: BeamSearch) -> None:
+        """Continue the chosen beams (forking those continued more than once), drop the others."""
+        continuations = search.choose()
+        uses: dict[int, list] = {}
+        for continuation in continuations:
+            uses.setdefault(id(continuation.beam), []).append(continuation)
+        live = []
+        for beam in search.live:
+            mine = uses.get(id(beam), [])
+            beams = [beam] + [self.scheduler.fork(beam) for _ in mine[1:]]   # fork before beam grows
+            for seq, continuation in zip(beams, mine):
+                seq.append_token(continuation.token_id)
+                seq.cum_logprob, seq.beam_candidates = continuation.cum_logprob, None
+                live.append((continuation, seq))
+            if not mine:
+                self.scheduler.finish(beam, "length")
+        order = {id(c): i for i, c in enumerate(continuations)}
+        search.live = [seq for _, seq in sorted(live, key=lambda pair: order[id(pair[0])])]
+        if search.done:
+            self._store_output_if_done(search.request_id)
+
+    def _request_done(self, first: Sequence) -> bool:
+        if first.beam_search is not None:
+            return first.beam_search.done
+        return all(seq.is_finished for seq in first.group)
+
+    def _store_output_if_done(self, request_id: Hashable) -> None:
+        first = self.requests.get(request_id)
+        if first is not None and request_id not in self.finished_outputs and self._request_done(first):
+            self.finished_outputs[request_id] = self._output(first)
 
     def _recover(self) -> None:
         self.in_flight = None
         self.scheduler.reset()
         if self.model_runner.needs_restart:
             self._restart_model_runner()
-        for request_id, seq in self.requests.items():   # finished, but the step broke off before its output
-            if seq.is_finished and request_id not in self.finished_outputs:
-                self.finished_outputs[request_id] = self._output(seq)
+        for request_id in list(self.requests):        # finished, but the step broke off before its output
+            self._store_output_if_done(request_id)
 
     def _restart_model_runner(self) -> None:
         """Tensor-parallel ranks left in different places of a step cannot meet again: start them
@@ -243,10 +309,10 @@ class LLMEngine:
         self.scheduler.block_manager = self._new_block_manager()
 
     def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
-        detokenizer = self.detokenizers.get(seq.request_id)
+        key = (seq.request_id, seq.index)
+        detokenizer = self.detokenizers.get(key)
         if detokenizer is None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, seq.sampling_params.stop)
-            self.detokenizers[seq.request_id] = detokenizer
+            detokenizer = self.detokenizers[key] = IncrementalDetokenizer(self.tokenizer, seq.sampling_params.stop)
         return detokenizer
 
     def _apply_stop_strings(self, seq: Sequence) -> None:
@@ -261,34 +327,48 @@ class LLMEngine:
 
     def _take_output(self, request_id: Hashable) -> dict:
         """Hand out a finished request's output; the engine forgets the request."""
-        self.requests.pop(request_id, None)
-        self.detokenizers.pop(request_id, None)
+        first = self.requests.pop(request_id, None)
+        for seq in first.group if first is not None else ():
+            self.detokenizers.pop((request_id, seq.index), None)
         return self.finished_outputs.pop(request_id)
 
-    def _output(self, seq: Sequence) -> dict:
-        seq.finish_time = seq.finish_time or time.perf_counter()
-        detokenizer = self.detokenizers.get(seq.request_id)
-        if detokenizer is not None:
-            detokenizer.update(seq.completion_token_ids, find_stop=False, final=True)
-            text = detokenizer.visible_text
-        else:
-            text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
-        first = seq.first_token_time or seq.finish_time
-        num_out = seq.num_completion_tokens
-        completion = {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
-                      "logprobs": seq.logprobs}
+    def _output(self, first: Sequence) -> dict:
+        """A finished request's output: its completions (or, for a beam search, its best beams)."""
+        now = time.perf_counter()
+        output = {"request_id": first.request_id, "prompt_token_ids": first.token_ids[:first.num_prompt_tokens],
+                  "num_cached_tokens": first.num_cached_tokens}
+        if first.beam_search is not None:
+            output["sequences"] = [{"token_ids": beam.token_ids, "text": self._decode(beam.token_ids),
+                                    "cum_logprob": beam.cum_logprob, "finish_reason": beam.finish_reason}
+                                   for beam in first.beam_search.best()]
+            return output
+        completions = []
+        for seq in sorted(first.group, key=lambda seq: seq.index):
+            seq.finish_time = seq.finish_time or now
+            detokenizer = self.detokenizers.get((seq.request_id, seq.index))
+            if detokenizer is not None:
+                detokenizer.update(seq.completion_token_ids, find_stop=False, final=True)
+                text = detokenizer.visible_text
+            else:
+                text = self._decode(seq.completion_token_ids)
+            completions.append({"index": seq.index, "text": text, "token_ids": seq.completion_token_ids,
+                                "finish_reason": seq.finish_reason, "logprobs": seq.logprobs})
+        first_token = min((seq.first_token_time for seq in first.group if seq.first_token_time), default=now)
+        finish = max(seq.finish_time for seq in first.group)
+        num_out = first.num_completion_tokens
         return {
-            "request_id": seq.request_id,
-            **completion,
-            "outputs": [completion],
-            "prompt_token_ids": seq.token_ids[:seq.num_prompt_tokens],
-            "num_cached_tokens": seq.num_cached_tokens,
+            **output,
+            **{key: completions[0][key] for key in ("text", "token_ids", "finish_reason", "logprobs")},
+            "outputs": completions,
             "metrics": {
-                "time_to_first_token": first - seq.arrival_time,
-                "time_per_output_token": (seq.finish_time - first) / (num_out - 1) if num_out > 1 else 0.0,
-                "latency": seq.finish_time - seq.arrival_time,
+                "time_to_first_token": first_token - first.arrival_time,
+                "time_per_output_token": (first.finish_time - first_token) / (num_out - 1) if num_out > 1 else 0.0,
+                "latency": finish - first.arrival_time,
             },
         }
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def generate(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
@@ -303,8 +383,34 @@ class LLMEngine:
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
         # validate everything before any work starts, so a bad request leaves the engine untouched
         requests = [(self.encode_prompt(p), self.check_sampling_params(sp)) for p, sp in zip(prompts, sampling_params)]
-        ids = [self._add(token_ids, sp) for token_ids, sp in requests]
+        return self._run_until_done([self._add(token_ids, sp) for token_ids, sp in requests], use_tqdm)
+
+    def beam_search(self, prompts: list[Prompt], params: BeamSearchParams, use_tqdm: bool = False) -> list[dict]:
+        """Beam search for every prompt (see engine/beam_search.py); one dict per prompt, in order,
+        whose `sequences` are the beam_width best beams, best first."""
+        self._check_running()
+        if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
+            raise TypeError("prompts must be a list of strings or a list of token-id lists")
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        params.validate()
+        token_ids = [self.encode_prompt(p) for p in prompts]
+        ids = []
+        for prompt in token_ids:
+            max_tokens = min(params.max_tokens, self.config.max_model_len - len(prompt))
+            # each beam computes its chosen tokens; its own logprobs at temperature 1 propose the next
+            request_id = self._add(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                          logprobs=min(2 * params.beam_width, MAX_LOGPROBS)))
+            root = self.requests[request_id]
+            root.beam_search = BeamSearch(params, root, self.config.eos_token_ids, max_tokens)
+            ids.append(request_id)
+        return self._run_until_done(ids, use_tqdm)
+
+    def _run_until_done(self, ids: list[Hashable], use_tqdm: bool) -> list[dict]:
+        """Step until every request in ids finished; their outputs in that order. On any exception
+        they are aborted (others are not) and it is raised again."""
         outputs: dict[Hashable, dict] = {}
+        wanted = set(ids)
         bar = None
         try:
             bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
@@ -319,7 +425,7 @@ class LLMEngine:
                     decode_rate = self.num_decode_tokens / elapsed
                 bar.set_postfix_str(f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s",
                                     refresh=False)
-                done = [request_id for request_id in ids if request_id in self.finished_outputs]
+                done = [request_id for request_id in self.finished_outputs if request_id in wanted]
                 for request_id in done:
                     outputs[request_id] = self._take_output(request_id)
                 bar.update(len(done))

@@ -12,7 +12,7 @@ engine loop), `reset` takes every sequence back to the queue as a preemption wou
 are dropped and everything is recomputed, so no state of the lost step survives.
 """
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
@@ -24,6 +24,7 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]   # tokens each sequence computes this step
     is_prefill: bool
+    block_copies: list[tuple[int, int]] = field(default_factory=list)   # (source, destination) before it
 
     @property
     def num_tokens(self) -> int:
@@ -68,22 +69,28 @@ class Scheduler:
         batch = ScheduledBatch([], [], is_prefill=True)
         budget = self.max_num_batched_tokens
         for seq in self.running:                       # a prompt in the middle of chunking
-            if seq.num_uncomputed_tokens > 1 and budget > 0:
-                n = min(seq.num_uncomputed_tokens, budget)
+            remaining = seq.prefill_target - seq.num_computed_tokens
+            if seq.num_uncomputed_tokens > 1 and remaining > 0 and budget > 0:
+                n = min(remaining, budget)
                 if bm.can_allocate(seq, seq.num_computed_tokens + n):
                     bm.allocate(seq, seq.num_computed_tokens + n)
                     batch.seqs.append(seq)
                     batch.num_new_tokens.append(n)
                     budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if seq.beam_candidates is not None:
+                continue                               # a beam parked until its siblings have proposed
             cached_prefix = bm.find_cached_prefix(seq)
             num_cached = len(cached_prefix) * bm.block_size
-            n = seq.num_tokens - num_cached
+            n = seq.prefill_target - num_cached
             if n > budget:
                 if n <= self.max_num_batched_tokens:
                     break                              # fits whole in a later step
                 n = budget                             # could never fit whole: chunk it
+            while not bm.can_allocate(seq, num_cached + n, cached_prefix) and self._preempt_idle() >= 0:
+                pass
             if not bm.can_allocate(seq, num_cached + n, cached_prefix):
                 break
             bm.allocate(seq, num_cached + n, cached_prefix)
@@ -94,28 +101,69 @@ class Scheduler:
                 self.prefix_cache_queries += seq.num_prompt_tokens
                 self.prefix_cache_hits += num_cached
             seq.status = SequenceStatus.RUNNING
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.running.append(seq)
+            if n == 0:                                 # all it had to prefill was cached
+                self._fork(seq)
+                continue
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
 
+    def fork(self, seq: Sequence) -> Sequence:
+        """A new sibling of seq (a beam continued twice), queued where seq is."""
+        child = seq.fork(len(seq.group))
+        if seq.status == SequenceStatus.RUNNING:
+            self.block_manager.fork(seq, child)
+            self.running.append(child)
+        else:                                          # preempted: both recompute from scratch
+            self.waiting.append(child)
+        return child
+
+    def _fork(self, seq: Sequence) -> None:
+        """seq has computed its prompt but the last token: make its n - 1 siblings, sharing blocks."""
+        for index in range(1, seq.num_forks_due + 1):
+            child = seq.fork(index)
+            self.block_manager.fork(seq, child)
+            self.running.append(child)
+        seq.num_forks_due = 0
+
     def _schedule_decode(self) -> ScheduledBatch:
         bm = self.block_manager
-        seqs = []
+        batch = ScheduledBatch([], [], is_prefill=False)
         i = 0
-        while i < len(self.running):
+        while i < len(self.running) and len(batch.seqs) < self.max_num_seqs:
             seq = self.running[i]
-            if seq.num_uncomputed_tokens > 1 or self._reached_length(seq):
-                i += 1                                 # a chunked prompt waiting for blocks, or done
-            elif len(seq.block_table) * bm.block_size >= seq.num_tokens or bm.can_allocate(seq, seq.num_tokens):
-                bm.allocate(seq, seq.num_tokens)       # a new block once every block_size tokens
-                seqs.append(seq)
+            if seq.num_uncomputed_tokens != 1 or self._reached_length(seq):
+                i += 1      # a chunked prompt waiting for blocks, a beam waiting for its siblings, or done
+                continue
+            position = seq.num_computed_tokens
+            # a new block once every block_size tokens, and a copy of the last one if it is shared
+            needed = bm.num_blocks_needed(seq, seq.num_tokens) + bm.num_shared_blocks(seq, position)
+            if needed <= bm.num_free_blocks:
+                bm.allocate(seq, seq.num_tokens)
+                batch.block_copies += bm.copy_on_write(seq, position)
+                batch.seqs.append(seq)
                 i += 1
             else:
-                self._preempt(self.running.pop())      # newest first; may be seq itself
-        return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False)
+                popped = self._preempt_idle()
+                if popped < 0:
+                    self._preempt(self.running.pop())  # newest first; may be seq itself
+                elif popped < i:
+                    i -= 1
+        batch.num_new_tokens = [1] * len(batch.seqs)
+        return batch
+
+    def _preempt_idle(self) -> int:
+        """Preempt the newest running sequence that has nothing to compute (a beam waiting for its
+        siblings: it holds blocks it does not need until the beams are chosen); its index in
+        running, or -1 if there is none."""
+        for i in range(len(self.running) - 1, -1, -1):
+            if self.running[i].num_uncomputed_tokens == 0:
+                self._preempt(self.running.pop(i))
+                return i
+        return -1
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -136,6 +184,8 @@ class Scheduler:
             seq.num_computed_tokens += n
             if before // block_size != seq.num_computed_tokens // block_size:
                 self.block_manager.cache_computed_blocks(seq, before)
+            if seq.num_forks_due and seq.num_computed_tokens == seq.prefill_target:
+                self._fork(seq)
         for row, seq in enumerate(sampled):
             if not seq.is_finished:
                 seq.pending_row = row

@@ -1,4 +1,10 @@
-"""One sequence of a request: its tokens, where it stands, and the KV blocks it holds."""
+"""One sequence of a request: its tokens, where it stands, and the KV blocks it holds.
+
+A request usually has one sequence. With `n > 1` its prompt is prefilled once, short of the last
+token, and then forked into n sequences that share the prompt's blocks; beam search forks a beam
+each time two candidates continue it. Forked sequences share their group (the request's list).
+"""
+import copy
 import time
 from enum import Enum, auto
 from itertools import count
@@ -35,6 +41,29 @@ class Sequence:
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        self.index = 0                    # completion index within the request
+        self.group: list[Sequence] = [self]   # the request's sequences, shared by all of them
+        self.num_forks_due = getattr(sampling_params, "n", 1) - 1   # siblings made once the prompt is in
+        self.beam_search = None           # the request's beam search, for a beam
+        self.cum_logprob = 0.0            # beam search: sum of the chosen tokens' logprobs
+        self.beam_candidates: dict[int, float] | None = None   # beam search: next tokens' logprobs
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens to compute before the next token is sampled: one short of the prompt when the
+        sequence forks, so that each fork computes the last prompt token and samples on its own."""
+        return self.num_tokens - 1 if self.num_forks_due else self.num_tokens
+
+    def fork(self, index: int) -> "Sequence":
+        """A sibling with the same tokens and the same (shared) blocks; the block manager counts the
+        extra references (BlockManager.fork)."""
+        child = copy.copy(self)
+        child.seq_id, child.index, child.num_forks_due = next(Sequence._ids), index, 0
+        child.token_ids, child.block_table = list(self.token_ids), list(self.block_table)
+        child.block_hashes = list(self.block_hashes)
+        child.logprobs = None if self.logprobs is None else list(self.logprobs)
+        self.group.append(child)
+        return child
 
     def __len__(self) -> int:
         return self.num_tokens

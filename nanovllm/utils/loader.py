@@ -1,51 +1,54 @@
-"""Load safetensors checkpoints (one file or many shards) through each parameter's weight_loader."""
+"""Load safetensors checkpoints (one file or many shards) through each parameter's weight_loader.
+
+Checkpoint names are Hugging Face's; projections we keep merged (q/k/v, gate/up) take their
+pieces by shard id, weights and biases alike. A tied LM head is the embedding, so a checkpoint's
+copy of it is skipped; an untied one must be in the checkpoint like every other weight.
+"""
 import glob
 import os
-from collections import Counter
 
 import torch
 from safetensors import safe_open
 from torch import nn
-
-from nanovllm.layers.moe import expert_checkpoint_names, expert_weight_target
 
 
 def default_weight_loader(param: nn.Parameter, loaded) -> None:
     param.data.copy_(loaded[:])
 
 
+def checkpoint_names(model: nn.Module) -> dict[str, tuple[str, tuple]]:
+    """Every checkpoint tensor the model needs -> (our parameter, shard id or ())."""
+    packed = getattr(model, "packed_modules_mapping", {})
+    names = {}
+    for param_name, _ in model.named_parameters():   # a tied LM head is listed once, as the embedding
+        pieces = [(part, shard_id) for part, (merged, shard_id) in packed.items() if f".{merged}." in param_name]
+        if not pieces:
+            names[param_name] = (param_name, ())
+        for part, shard_id in pieces:
+            merged = packed[part][0]
+            names[param_name.replace(f".{merged}.", f".{part}.")] = (param_name, (shard_id,))
+    return names
+
+
 def load_model(model: nn.Module, path: str) -> None:
     """Each tensor is read lazily as a safetensors slice, so a rank reads only the part it keeps."""
     params = dict(model.named_parameters())
-    packed = getattr(model, "packed_modules_mapping", {})
-    loads = Counter()
+    wanted = checkpoint_names(model)
+    loaded = set()
     for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.tie_word_embeddings):
                     continue
-                target, shard = name, ()
-                expert = expert_weight_target(name)     # one expert's projection: stacked by expert
-                if expert is not None:
-                    target, shard = expert[0], expert[1:]
-                for part, (merged, shard_id) in packed.items():
-                    if expert is None and f".{part}." in name:
-                        target, shard = name.replace(part, merged), (shard_id,)
-                        break
-                param = params.get(target)
-                if param is None:
+                if name not in wanted:
                     raise ValueError(f"model: checkpoint tensor {name!r} has no place in the model")
+                target, shard = wanted[name]
+                param = params[target]
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 with torch.no_grad():
                     loader(param, f.get_slice(name), *shard)
-                loads[target] += 1
-    expected = {name: len(expert_checkpoint_names(name, param.num_experts)) if hasattr(param, "num_experts") else 1
-                for name, param in params.items()}
-    for name in params:
-        for part, (merged, _) in packed.items():
-            if f".{merged}." in name:
-                expected[name] = sum(1 for m, _ in packed.values() if m == merged)
-    missing = sorted(name for name in params if loads[name] < expected[name])
+                loaded.add(name)
+    missing = sorted(set(wanted) - loaded)
     if missing:
-        raise ValueError(f"model: checkpoint at {path!r} lacks weights for {missing[:5]}"
-                         f"{' and more' if len(missing) > 5 else ''}")
+        raise ValueError(f"model: checkpoint at {path!r} lacks {len(missing)} weight(s) the model needs: "
+                         f"{missing[:5]}{' and more' if len(missing) > 5 else ''}")

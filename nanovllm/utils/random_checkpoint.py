@@ -1,10 +1,13 @@
-"""Qwen3 checkpoints with random weights, built offline: the demo model, the test models, and
-full-size shapes for benchmarks (throughput does not depend on the weight values).
+"""Checkpoints with random weights, built offline: the demo model, the test models, and full-size
+shapes for benchmarks (throughput does not depend on the weight values). Any family transformers
+knows: the config comes from its own config class (picked by `architectures`), the parameter names
+and shapes from its own model class, built on the meta device.
 
 Weights are drawn so that a random model still behaves like a trained one where it matters for
 testing: projections keep activations at unit scale, norm weights are far from 1 (a misplaced
 norm changes the output), and the logits are spread out (greedy choices are not near-ties).
 """
+import copy
 import hashlib
 import json
 import os
@@ -12,8 +15,13 @@ import tempfile
 
 import torch
 from safetensors.torch import save_file
-from transformers import Qwen3Config
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from nanovllm.models.registry import REFERENCE_ARCHITECTURE
+
+# q/k projection gain of shallow models without q/k norm: as sharp as the q/k norm gain makes the others
+QK_GAIN = 2.5
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -33,16 +41,27 @@ to read.
 """
 
 
-def tiny_qwen3_config(vocab_size: int, **overrides) -> Qwen3Config:
-    """A Qwen3 small enough for a CPU test: grouped-query attention and tied embeddings by default."""
-    args = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=10000.0,
+def config_from_dict(values: dict) -> PretrainedConfig:
+    """A config of the family that `architectures` (or `model_type`) names, as config.json would load."""
+    values = copy.deepcopy(values)   # transformers writes into nested dicts such as rope_scaling
+    model_type = values.pop("model_type", None)
+    if model_type is None:
+        architecture = (values.get("architectures") or [None])[0]
+        types = [t for t, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if name == architecture]
+        if not types:
+            raise ValueError(f"architectures: transformers knows no causal LM named {architecture!r}")
+        model_type = types[0]
+    return AutoConfig.for_model(model_type, **values)
+
+
+def tiny_config(vocab_size: int, architecture: str = REFERENCE_ARCHITECTURE, **overrides) -> PretrainedConfig:
+    """A model small enough for a CPU test: grouped-query attention and tied embeddings by default."""
+    args = dict(architectures=[architecture], vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=10000.0,
                 bos_token_id=0, eos_token_id=2, pad_token_id=0)
     args.update(overrides)
-    config = Qwen3Config(**args)
-    config.architectures = ["Qwen3ForCausalLM"]
-    return config
+    return config_from_dict(args)
 
 
 def write_demo_tokenizer(path: str, vocab_size: int = 500):
@@ -62,22 +81,21 @@ def write_demo_tokenizer(path: str, vocab_size: int = 500):
     return fast
 
 
-def write_random_checkpoint(path: str, config: Qwen3Config, seed: int = 0, dtype: torch.dtype | None = None,
+def write_random_checkpoint(path: str, config: PretrainedConfig, seed: int = 0, dtype: torch.dtype | None = None,
                             max_shard_bytes: int = 4 << 30, device: str = "cpu") -> None:
     """Write config.json and random safetensors shards (with an index when there are several)."""
-    from transformers import Qwen3ForCausalLM
-
     os.makedirs(path, exist_ok=True)
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     config.dtype = dtype
     config.save_pretrained(path)
     with torch.device("meta"):
-        shapes = {name: p.shape for name, p in Qwen3ForCausalLM(config).named_parameters()}
+        shapes = {name: p.shape for name, p in AutoModelForCausalLM.from_config(config).named_parameters()}
+    qk_norm = any(name.endswith("q_norm.weight") for name in shapes)
     generator = torch.Generator(device).manual_seed(seed)
     shards, shard, shard_bytes = [], {}, 0
     for name, shape in shapes.items():
-        tensor = _random_weight(name, shape, generator, device, config.num_hidden_layers).to(dtype).cpu()
+        tensor = _random_weight(name, shape, generator, device, config.num_hidden_layers, qk_norm).to(dtype).cpu()
         if shard and shard_bytes + tensor.nbytes > max_shard_bytes:
             shards.append(shard)
             shard, shard_bytes = {}, 0
@@ -97,9 +115,10 @@ def write_random_checkpoint(path: str, config: Qwen3Config, seed: int = 0, dtype
 
 
 def _random_weight(name: str, shape: torch.Size, generator: torch.Generator, device: str,
-                   num_layers: int) -> torch.Tensor:
-    # Sharp attention (large q/k norm weights) and layer outputs that dominate the residual keep a
-    # random model from settling into repeating one token, which would make greedy tests weak.
+                   num_layers: int, qk_norm: bool) -> torch.Tensor:
+    # Sharp attention (large q/k norm weights, or larger q/k projections where a family has no q/k
+    # norm) and layer outputs that dominate the residual keep a random model from settling into
+    # repeating one token, which would make greedy tests weak.
     # Deep models (the benchmark shapes) stay tame instead: sharp attention over many layers turns
     # chaotic, and bf16 rounding alone then flips their logits (relative error ~1 against float32).
     shallow = num_layers <= 4
@@ -107,17 +126,22 @@ def _random_weight(name: str, shape: torch.Size, generator: torch.Generator, dev
         w = torch.rand(shape, generator=generator, device=device) + 0.5          # in [0.5, 1.5)
         return w * 2.5 if shallow and ("q_norm" in name or "k_norm" in name) else w
     w = torch.randn(shape, generator=generator, device=device)
+    if name.endswith(".bias"):
+        return w * 0.5
     if "embed_tokens" in name:
         return w * 0.3
     residual_gain = 3.0 / max(1.0, num_layers / 2) ** 0.5
-    gain = residual_gain if "o_proj" in name or "down_proj" in name else 2.0 if "lm_head" in name else 1.0
+    sharp_qk = shallow and not qk_norm and ("q_proj" in name or "k_proj" in name)
+    gain = residual_gain if "o_proj" in name or "down_proj" in name else 2.0 if "lm_head" in name else \
+        QK_GAIN if sharp_qk else 1.0
     return w * gain / shape[-1] ** 0.5
 
 
-def write_tiny_model(path: str, seed: int = 0, max_shard_bytes: int = 4 << 30, **config_overrides) -> str:
-    """Tokenizer plus a tiny random Qwen3 in float32: the demo and the test models."""
+def write_tiny_model(path: str, seed: int = 0, max_shard_bytes: int = 4 << 30,
+                     architecture: str = REFERENCE_ARCHITECTURE, **config_overrides) -> str:
+    """Tokenizer plus a tiny random model of `architecture` in float32: the demo and the test models."""
     tokenizer = write_demo_tokenizer(path)
-    config = tiny_qwen3_config(len(tokenizer), **config_overrides)
+    config = tiny_config(len(tokenizer), architecture, **config_overrides)
     write_random_checkpoint(path, config, seed=seed, dtype=torch.float32, max_shard_bytes=max_shard_bytes)
     return path
 
@@ -130,7 +154,7 @@ def cached_random_checkpoint(config_file: str) -> str:
     if not os.path.isfile(os.path.join(path, "complete")):
         print(f"Writing random weights of the shape in {config_file} to {path} ...")
         write_demo_tokenizer(path)
-        write_random_checkpoint(path, Qwen3Config(**json.loads(text)), dtype=torch.bfloat16,
+        write_random_checkpoint(path, config_from_dict(json.loads(text)), dtype=torch.bfloat16,
                                 device="cuda" if torch.cuda.is_available() else "cpu")
         open(os.path.join(path, "complete"), "w").close()
     return path

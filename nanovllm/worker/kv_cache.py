@@ -36,6 +36,10 @@ class KVCache:
         for i, layer in enumerate(self.layers):
             layer.k_cache, layer.v_cache = self.tensor[0, i], self.tensor[1, i]
 
+    def copy_blocks(self, pairs: torch.Tensor) -> None:
+        """Copy whole blocks, every layer's keys and values: pairs [n, 2] of (source, destination)."""
+        self.tensor[:, :, pairs[:, 1]] = self.tensor[:, :, pairs[:, 0]]
+
     def release(self) -> None:
         for layer in self.layers:
             layer.k_cache = layer.v_cache = torch.empty(0)

@@ -23,8 +23,7 @@ from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
-from nanovllm.models.qwen3 import Qwen3ForCausalLM
-from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
+from nanovllm.models.registry import build_model
 from nanovllm.utils.loader import load_model
 from nanovllm.worker.cuda_graph import DecodeGraphs
 from nanovllm.worker.kv_cache import KVCache, cpu_budget_bytes
@@ -78,8 +77,7 @@ class ModelRunner:
             dist.init_process_group("nccl" if self.is_cuda else "gloo", init_method=init_method,
                                     world_size=self.world_size, rank=rank, timeout=timedelta(minutes=10))
         with torch.device(self.device), default_dtype(config.torch_dtype):
-            moe = config.hf_config.architectures[0] == "Qwen3MoeForCausalLM"
-            self.model = (Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM)(config.hf_config)
+            self.model = build_model(config.model_config)
         load_model(self.model, config.model)
         self.model.eval()
         if conn is not None:
@@ -101,7 +99,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.is_cuda and not config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, config.min_kvcache_blocks,
-                                       config.hf_config.hidden_size, config.torch_dtype, self.device)
+                                       config.model_config.hidden_size, config.torch_dtype, self.device)
 
     @property
     def is_cuda(self) -> bool:
@@ -155,7 +153,7 @@ class ModelRunner:
                             cu[1:] - 1)
         self.execute(inputs)
         # the largest decode batch's logits and sampling
-        hidden = torch.zeros(config.max_num_seqs, config.hf_config.hidden_size, device=self.device)
+        hidden = torch.zeros(config.max_num_seqs, config.model_config.hidden_size, device=self.device)
         logits = self.model.compute_logits(hidden.to(config.torch_dtype))
         rows = config.max_num_seqs
         if self.rank == 0:
@@ -177,7 +175,7 @@ class ModelRunner:
         return build_step_inputs(batch, self.block_size)
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingTensors:
-        return build_sampling_tensors(seqs, self.config.hf_config.vocab_size, self.config.eos_token_ids,
+        return build_sampling_tensors(seqs, self.config.model_config.vocab_size, self.config.eos_token_ids,
                                       self.unseeded, self._host_to_device)
 
     @torch.inference_mode()
@@ -226,6 +224,8 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
         """Run the model on one step's inputs; logits of the sampled rows (on rank 0)."""
         num_tokens = len(inputs.input_ids)
+        if len(inputs.block_copies):    # copy-on-write of blocks shared by forked sequences
+            self.kv_cache.copy_blocks(self._host_to_device(inputs.block_copies))
         graph_size = self.graphs.size_for(inputs) if self.graphs else 0
         if graph_size:
             hidden = self.graphs.replay(inputs, graph_size, self.read_pending_tokens)

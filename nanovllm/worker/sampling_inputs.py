@@ -24,8 +24,9 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids:
             continue
         num_generated = seqs[row].num_completion_tokens
         if p.seed is not None and not all_greedy:
-            # a seeded request's noise depends only on its seed and how many tokens it has made
-            seeds[row] = xxhash.xxh64_intdigest(f"{p.seed}/{num_generated}".encode()) >> 1
+            # a seeded sequence's noise depends only on its seed, its index among the request's
+            # n completions, and how many tokens it has made
+            seeds[row] = xxhash.xxh64_intdigest(f"{p.seed}/{seqs[row].index}/{num_generated}".encode()) >> 1
         if num_generated < p.min_tokens:
             banned[row] = ([] if p.ignore_eos else list(eos_token_ids)) + p.stop_token_ids
         if p.logprobs is not None:

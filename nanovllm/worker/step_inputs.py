@@ -4,7 +4,7 @@ Token ids are real except for a sequence's pending token (sampled by the step st
 not collected yet): it is encoded as a marker that tells the device which row of the last sampler
 output to read (ModelRunner.read_pending_tokens). This is the only place that encodes it.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -24,6 +24,7 @@ class StepInputs:
     cu_seqlens_q: np.ndarray    # [num_seqs + 1] where each sequence's new tokens start
     block_tables: np.ndarray    # [num_seqs, max_blocks], padded with 0
     logits_indices: np.ndarray  # rows whose next token is sampled (last token of a finished prompt)
+    block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))  # [n, 2] src, dst
 
     @property
     def num_seqs(self) -> int:
@@ -62,7 +63,7 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
         slot_mapping = block_tables[np.arange(len(seqs)), positions // block_size] * block_size + positions % block_size
         cu_seqlens_q = np.arange(len(seqs) + 1)
         return StepInputs(False, input_ids, positions, slot_mapping, context_lens, cu_seqlens_q, block_tables,
-                          cu_seqlens_q[:-1])
+                          cu_seqlens_q[:-1], np.array(batch.block_copies, dtype=np.int64).reshape(-1, 2))
     q_lens = np.array(batch.num_new_tokens, dtype=np.int64)
     starts = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)
     context_lens = starts + q_lens

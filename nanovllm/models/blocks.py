@@ -1,0 +1,123 @@
+"""The parts every dense decoder-only family is made of, named as in Hugging Face checkpoints.
+
+The model: embedding, N decoder layers, final norm, LM head (its own weights or the embedding's).
+Each decoder layer: RMSNorm -> attention (optional q/k RMSNorm per head, rotary and the KV-cache
+store in one pass, grouped-query attention over the paged cache) -> residual -> RMSNorm -> SwiGLU
+MLP -> residual. The residual adds are fused into the following norm.
+
+A family file subclasses `CausalLM` and states what its config.json means (see the class).
+"""
+import torch
+from torch import nn
+
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.rotary import RotaryEmbedding
+from nanovllm.models.model_config import ModelConfig
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_heads, config.num_kv_heads,
+                                          bias=config.qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.o_proj = RowParallelLinear(config.num_heads * head_dim, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, scale=head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states).view(hidden_states.shape[0], -1, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm, kv_store=self.attn.kv_store(v))
+        return self.o_proj(self.attn(q, k, v))
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up kept as one matrix."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = SelfAttention(config, rotary_emb)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, mlps: list[nn.Module]):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                     config.rope_scaling)
+        self.layers = nn.ModuleList([DecoderLayer(config, rotary_emb, mlp) for mlp in mlps])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class CausalLM(nn.Module):
+    """A decoder model and its LM head. Subclasses (one per family, named by its architecture)
+    set the class attributes below, which `ModelConfig.from_hf` reads."""
+    qk_norm: bool = False              # RMSNorm on each query and key head
+    qkv_bias: bool = False             # q/k/v biases always; otherwise config.json's attention_bias decides
+    rope_types: tuple[str, ...] = ("default",)   # rope scaling types the family's checkpoints use
+    # checkpoint name -> (our parameter, shard id) for the projections we keep merged
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.model = DecoderModel(config, [self.build_mlp(config, i) for i in range(config.num_layers)])
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = config.tie_word_embeddings
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def build_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module:
+        """The feed-forward block of one layer (a mixture of experts would return its own here)."""
+        return GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden_states)
