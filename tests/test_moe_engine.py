@@ -1,6 +1,7 @@
 """Qwen3-MoE through the whole engine on the CPU, judged token for token against a plain
 transformers greedy loop over checkpoints that transformers' own Qwen3MoeForCausalLM wrote
 (per-expert tensor names, as published checkpoints have them)."""
+import json
 import os
 
 import pytest
@@ -8,7 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import write_demo_tokenizer
+from nanovllm.models.model_config import ModelConfig
+from nanovllm.models.registry import build_model
+from nanovllm.utils.random_checkpoint import config_from_dict, tiny_config, write_demo_tokenizer, write_tiny_model
 from tests.conftest import mixed_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -65,6 +68,40 @@ def assert_matches_transformers(llm, outputs, prompts, hf_greedy, num_tokens=16)
         assert out["token_ids"] == hf_greedy(llm.config.model, prompt, num_tokens), f"prompt of {len(prompt)} tokens"
 
 
+def test_model_config_reads_the_expert_fields():
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "qwen3-30b-a3b.json")) as f:
+        config = ModelConfig.from_hf(config_from_dict(json.load(f)))
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (128, 8, 768)
+    assert config.norm_topk_prob and config.decoder_sparse_step == 1 and config.mlp_only_layers == ()
+    dense = ModelConfig.from_hf(tiny_config(500))
+    assert dense.num_experts is None and dense.mlp_only_layers == ()
+
+
+@pytest.mark.parametrize("sparse_step, mlp_only", [(2, [3]), (1, [0, 4]), (3, [])])
+def test_sparse_layers_are_the_ones_transformers_picks(sparse_step, mlp_only):
+    hf_config = Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=24, moe_intermediate_size=8,
+                               num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                               num_experts=4, num_experts_per_tok=2, decoder_sparse_step=sparse_step,
+                               mlp_only_layers=mlp_only)
+    hf_config.architectures = ["Qwen3MoeForCausalLM"]
+    hf_sparse = [hasattr(layer.mlp, "experts") for layer in Qwen3MoeForCausalLM(hf_config).model.layers]
+    ours = build_model(ModelConfig.from_hf(hf_config))
+    assert [hasattr(layer.mlp, "experts") for layer in ours.model.layers] == hf_sparse
+    assert 0 < sum(hf_sparse) < len(hf_sparse)
+
+
+def test_random_checkpoint_stores_experts_apart(tmp_path, hf_greedy):
+    """The random checkpoints bench.py writes for a config shape load in both the engine and transformers."""
+    path = write_tiny_model(str(tmp_path), seed=3, architecture="Qwen3MoeForCausalLM", num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[0])
+    from safetensors import safe_open
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        assert tuple(f.get_slice("model.layers.1.mlp.experts.3.up_proj.weight").get_shape()) == (24, 64)
+    prompt = mixed_prompts(500, lengths=(20,), seed=4)[0]
+    out = LLM(path, kvcache_block_size=16).generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert out["token_ids"] == hf_greedy(path, prompt, 16)
+
+
 def test_checkpoint_has_per_expert_tensors_and_one_dense_layer(moe_path):
     from safetensors import safe_open
     with safe_open(os.path.join(moe_path, "model.safetensors"), "pt") as f:
@@ -77,7 +114,7 @@ def test_checkpoint_has_per_expert_tensors_and_one_dense_layer(moe_path):
 
 def test_mixed_batch_matches_transformers(moe_path, hf_greedy):
     llm = LLM(moe_path, kvcache_block_size=16)
-    prompts = mixed_prompts(llm.config.hf_config.vocab_size, lengths=(1, 3, 17, 40, 64, 7))
+    prompts = mixed_prompts(llm.config.model_config.vocab_size, lengths=(1, 3, 17, 40, 64, 7))
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_matches_transformers(llm, outputs, prompts, hf_greedy)
     assert llm.block_manager.num_used_blocks == 0
@@ -104,7 +141,7 @@ def test_mixed_batch_matches_transformers(moe_path, hf_greedy):
 
 def test_prefix_cache_hits_keep_tokens(moe_path, hf_greedy):
     llm = LLM(moe_path, kvcache_block_size=16)
-    vocab = llm.config.hf_config.vocab_size
+    vocab = llm.config.model_config.vocab_size
     shared = mixed_prompts(vocab, lengths=(70,), seed=1)[0]
     prompts = [shared + tail for tail in mixed_prompts(vocab, lengths=(1, 5, 26), seed=2)]
     first = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -116,14 +153,14 @@ def test_prefix_cache_hits_keep_tokens(moe_path, hf_greedy):
 
 def test_chunked_prefill_keeps_tokens(moe_paths, hf_greedy):
     llm = LLM(moe_paths[True], kvcache_block_size=16, max_num_batched_tokens=24, max_num_seqs=4)
-    prompts = mixed_prompts(llm.config.hf_config.vocab_size, lengths=(100, 3, 60, 25, 1))
+    prompts = mixed_prompts(llm.config.model_config.vocab_size, lengths=(100, 3, 60, 25, 1))
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_matches_transformers(llm, outputs, prompts, hf_greedy)
 
 
 def test_preemption_keeps_tokens(moe_paths, hf_greedy):
     llm = LLM(moe_paths[False], kvcache_block_size=16, num_kvcache_blocks=8, max_model_len=128)
-    prompts = mixed_prompts(llm.config.hf_config.vocab_size, lengths=(30, 45, 20, 38, 50, 9), seed=3)
+    prompts = mixed_prompts(llm.config.model_config.vocab_size, lengths=(30, 45, 20, 38, 50, 9), seed=3)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.scheduler.num_preemptions > 0
@@ -154,5 +191,5 @@ def test_checkpoint_missing_an_expert_is_named(moe_paths, tmp_path):
     tensors = load_file(os.path.join(tmp_path, "model.safetensors"))
     del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
     save_file(tensors, os.path.join(tmp_path, "model.safetensors"))
-    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts"):
+    with pytest.raises(ValueError, match=r"lacks 1 weight.*'model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight'"):
         LLM(str(tmp_path))

@@ -5,7 +5,10 @@ import torch
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from nanovllm.layers.moe import SparseMoeBlock, expert_checkpoint_names, expert_weight_target, route
+from torch import nn
+
+from nanovllm.layers.moe import SparseMoeBlock, expert_checkpoint_names, route
+from nanovllm.utils.loader import checkpoint_names
 
 
 def hf_block(norm_topk_prob: bool, num_experts: int = 8, top_k: int = 2) -> Qwen3MoeSparseMoeBlock:
@@ -30,30 +33,34 @@ def per_expert_checkpoint(block: Qwen3MoeSparseMoeBlock) -> dict[str, torch.Tens
     return tensors
 
 
+def block_in_a_model(block: SparseMoeBlock) -> nn.Module:
+    """The block under the name `mlp`, as a decoder layer holds it."""
+    holder = nn.Module()
+    holder.mlp = block
+    return holder
+
+
 def load_block(block: SparseMoeBlock, tensors: dict[str, torch.Tensor]) -> None:
-    params = dict(block.named_parameters(prefix="mlp"))
+    """Through the loader's own map of checkpoint names to parameters and shards."""
+    holder = block_in_a_model(block)
+    params, wanted = dict(holder.named_parameters()), checkpoint_names(holder)
+    assert set(wanted) == set(tensors)
     for name, tensor in tensors.items():
-        target = expert_weight_target(name)
-        if target is None:
-            params[name].data.copy_(tensor)
-        else:
-            param_name, shard_id, expert_id = target
-            param = params[param_name]
-            param.weight_loader(param, tensor, shard_id, expert_id)
+        target, shard = wanted[name]
+        param = params[target]
+        getattr(param, "weight_loader", lambda p, t: p.data.copy_(t))(param, tensor, *shard)
 
 
-def test_expert_names_map_to_stacked_params_and_back():
-    assert expert_weight_target("model.layers.3.mlp.experts.17.gate_proj.weight") == \
-        ("model.layers.3.mlp.experts.w13_weight", "gate", 17)
-    assert expert_weight_target("model.layers.3.mlp.experts.0.up_proj.weight") == \
-        ("model.layers.3.mlp.experts.w13_weight", "up", 0)
-    assert expert_weight_target("model.layers.3.mlp.experts.5.down_proj.weight") == \
-        ("model.layers.3.mlp.experts.w2_weight", "down", 5)
-    assert expert_weight_target("model.layers.3.mlp.gate_proj.weight") is None     # a dense MLP
-    assert expert_weight_target("model.layers.3.mlp.gate.weight") is None          # the router
+def test_expert_names_map_to_stacked_params():
     names = expert_checkpoint_names("model.layers.3.mlp.experts.w13_weight", 2)
     assert names == {f"model.layers.3.mlp.experts.{e}.{p}_proj.weight": (p, e) for e in (0, 1) for p in ("gate", "up")}
-    assert all(expert_weight_target(n)[1:] == v for n, v in names.items())
+    names = expert_checkpoint_names("model.layers.3.mlp.experts.w2_weight", 3)
+    assert names == {f"model.layers.3.mlp.experts.{e}.down_proj.weight": ("down", e) for e in range(3)}
+    wanted = checkpoint_names(block_in_a_model(SparseMoeBlock(32, 4, 2, 12, True)))
+    assert wanted["mlp.gate.weight"] == ("mlp.gate.weight", ())                      # the router, whole
+    assert wanted["mlp.experts.3.up_proj.weight"] == ("mlp.experts.w13_weight", ("up", 3))
+    assert wanted["mlp.experts.0.down_proj.weight"] == ("mlp.experts.w2_weight", ("down", 0))
+    assert len(wanted) == 1 + 4 * 3
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])

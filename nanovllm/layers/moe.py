@@ -1,16 +1,15 @@
 """A sparse mixture-of-experts feed-forward block: a router picks each token's top-k experts, whose
 SwiGLU MLPs run as grouped GEMMs over weights stacked per expert.
 
-Checkpoints store each expert apart (`experts.{e}.gate_proj/up_proj/down_proj.weight`); the loader
-hands each one to `FusedMoE.weight_loader` with its shard and expert id, which copies it into the
-stacked w13 [E, 2 * I, H] (gate rows, then up rows) or w2 [E, H, I].
+Checkpoints store each expert apart (`experts.{e}.gate_proj/up_proj/down_proj.weight`);
+`expert_checkpoint_names` tells the loader which of them make up a stacked parameter (those carry
+`num_experts`), and the loader hands each to `FusedMoE.weight_loader` with its shard and expert id,
+which copies it into the stacked w13 [E, 2 * I, H] (gate rows, then up rows) or w2 [E, H, I].
 
 Tensor parallelism splits every expert's intermediate dimension over the ranks (gate/up rows, down
 columns), so each rank computes a partial sum of every token's output and one all-reduce after the
 down projection completes it. The router is small and replicated.
 """
-import re
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -19,18 +18,8 @@ from torch import nn
 from nanovllm.kernels.fused_moe import fused_moe, fused_moe_ref
 from nanovllm.layers.linear import tp_rank_and_size
 
-# checkpoint name of one expert's projection -> (stacked parameter, shard id)
-EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+# one expert's projection in a checkpoint -> the stacked parameter it goes into
 STACKED_PARAMS = {"gate_proj": "w13_weight", "up_proj": "w13_weight", "down_proj": "w2_weight"}
-
-
-def expert_weight_target(name: str) -> tuple[str, str, int] | None:
-    """(our parameter, shard id, expert id) for a per-expert checkpoint tensor; None for any other name."""
-    match = EXPERT_WEIGHT.match(name)
-    if match is None:
-        return None
-    proj = match["proj"]
-    return f"{match['prefix']}.{STACKED_PARAMS[proj]}", proj.removesuffix("_proj"), int(match["expert"])
 
 
 def expert_checkpoint_names(param_name: str, num_experts: int) -> dict[str, tuple[str, int]]:
@@ -77,7 +66,7 @@ class FusedMoE(nn.Module):
                                       requires_grad=False)
         for param in (self.w13_weight, self.w2_weight):
             param.weight_loader = self.weight_loader
-            param.num_experts = num_experts
+            param.num_experts = num_experts     # marks a stacked parameter for the loader
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: str, expert_id: int) -> None:
         """Copy this rank's slice of one expert's gate, up ([I, H]) or down ([H, I]) projection."""
