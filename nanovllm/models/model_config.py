@@ -35,6 +35,13 @@ class ModelConfig:
     qk_norm: bool                  # RMSNorm on each query and key head before rotary
     dtype: torch.dtype             # of the checkpoint
     sliding_window: int | None     # None: every layer attends to the whole context
+    # mixture of experts; the defaults describe a dense family
+    num_experts: int | None = None            # experts per sparse layer
+    num_experts_per_tok: int | None = None    # top-k experts each token goes through
+    moe_intermediate_size: int | None = None  # each expert's intermediate size
+    norm_topk_prob: bool = False              # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1              # every n-th layer is sparse ...
+    mlp_only_layers: tuple[int, ...] = ()     # ... except these, which keep the dense MLP
 
     @classmethod
     def from_hf(cls, hf_config: PretrainedConfig) -> "ModelConfig":
@@ -73,6 +80,7 @@ class ModelConfig:
             qk_norm=family.qk_norm,
             dtype=read_checkpoint_dtype(hf_config),
             sliding_window=read_sliding_window(hf_config),
+            **read_experts(hf_config),
         )
 
 
@@ -105,3 +113,18 @@ def read_sliding_window(hf_config: PretrainedConfig) -> int | None:
     if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
         return None
     return int(window)
+
+
+def read_experts(hf_config: PretrainedConfig) -> dict:
+    """The mixture-of-experts fields of a config that has experts; nothing (the defaults) otherwise."""
+    num_experts = getattr(hf_config, "num_experts", None)
+    if not num_experts:
+        return {}
+    return dict(
+        num_experts=int(num_experts),
+        num_experts_per_tok=int(hf_config.num_experts_per_tok),
+        moe_intermediate_size=int(hf_config.moe_intermediate_size),
+        norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
+        decoder_sparse_step=int(getattr(hf_config, "decoder_sparse_step", None) or 1),
+        mlp_only_layers=tuple(getattr(hf_config, "mlp_only_layers", None) or ()),
+    )

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 # architecture -> module that defines a class of that name
 ARCHITECTURES = {
     "Qwen3ForCausalLM": "nanovllm.models.qwen3",
+    "Qwen3MoeForCausalLM": "nanovllm.models.qwen3_moe",
     "Qwen2ForCausalLM": "nanovllm.models.qwen2",
     "LlamaForCausalLM": "nanovllm.models.llama",
     "MistralForCausalLM": "nanovllm.models.mistral",

@@ -1,7 +1,8 @@
 """Load safetensors checkpoints (one file or many shards) through each parameter's weight_loader.
 
 Checkpoint names are Hugging Face's; projections we keep merged (q/k/v, gate/up) take their
-pieces by shard id, weights and biases alike. A tied LM head is the embedding, so a checkpoint's
+pieces by shard id, weights and biases alike. Experts stacked into one parameter take each
+expert's tensor by (shard id, expert id). A tied LM head is the embedding, so a checkpoint's
 copy of it is skipped; an untied one must be in the checkpoint like every other weight.
 """
 import glob
@@ -11,16 +12,23 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from nanovllm.layers.moe import expert_checkpoint_names
+
 
 def default_weight_loader(param: nn.Parameter, loaded) -> None:
     param.data.copy_(loaded[:])
 
 
 def checkpoint_names(model: nn.Module) -> dict[str, tuple[str, tuple]]:
-    """Every checkpoint tensor the model needs -> (our parameter, shard id or ())."""
+    """Every checkpoint tensor the model needs -> (our parameter, shard id or () or (shard id, expert id))."""
     packed = getattr(model, "packed_modules_mapping", {})
     names = {}
-    for param_name, _ in model.named_parameters():   # a tied LM head is listed once, as the embedding
+    for param_name, param in model.named_parameters():   # a tied LM head is listed once, as the embedding
+        num_experts = getattr(param, "num_experts", None)
+        if num_experts is not None:
+            names.update({name: (param_name, shard) for name, shard in
+                          expert_checkpoint_names(param_name, num_experts).items()})
+            continue
         pieces = [(part, shard_id) for part, (merged, shard_id) in packed.items() if f".{merged}." in param_name]
         if not pieces:
             names[param_name] = (param_name, ())

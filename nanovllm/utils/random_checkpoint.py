@@ -90,7 +90,7 @@ def write_random_checkpoint(path: str, config: PretrainedConfig, seed: int = 0, 
     config.dtype = dtype
     config.save_pretrained(path)
     with torch.device("meta"):
-        shapes = {name: p.shape for name, p in AutoModelForCausalLM.from_config(config).named_parameters()}
+        shapes = per_expert_shapes({name: p.shape for name, p in AutoModelForCausalLM.from_config(config).named_parameters()})
     qk_norm = any(name.endswith("q_norm.weight") for name in shapes)
     generator = torch.Generator(device).manual_seed(seed)
     shards, shard, shard_bytes = [], {}, 0
@@ -112,6 +112,24 @@ def write_random_checkpoint(path: str, config: PretrainedConfig, seed: int = 0, 
         weight_map.update(dict.fromkeys(tensors, file))
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+
+
+def per_expert_shapes(shapes: dict[str, torch.Size]) -> dict[str, torch.Size]:
+    """transformers 5 keeps a layer's experts fused (gate_up_proj [E, 2 * I, H], down_proj [E, H, I]);
+    published checkpoints store each expert apart, so the random ones do too."""
+    split = {}
+    for name, shape in shapes.items():
+        prefix, _, fused = name.rpartition(".")
+        if not prefix.endswith(".experts") or fused not in ("gate_up_proj", "down_proj"):
+            split[name] = shape
+            continue
+        for e in range(shape[0]):
+            if fused == "down_proj":
+                split[f"{prefix}.{e}.down_proj.weight"] = shape[1:]
+            else:
+                half = torch.Size([shape[1] // 2, shape[2]])
+                split[f"{prefix}.{e}.gate_proj.weight"] = split[f"{prefix}.{e}.up_proj.weight"] = half
+    return split
 
 
 def _random_weight(name: str, shape: torch.Size, generator: torch.Generator, device: str,

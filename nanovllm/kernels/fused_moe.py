@@ -1,0 +1,163 @@
+"""A mixture-of-experts feed-forward pass: every token goes through its top-k experts' SwiGLU MLPs and
+the results are summed with the routing weights.
+
+The kernel path groups the work by expert so that each expert's weights are read once per tile of
+tokens, not once per token:
+1. `align_tokens_to_experts` sorts the (token, k) assignments by expert and pads each expert's group
+   to a multiple of the tile height, so no tile mixes two experts (torch ops, no host sync, so it
+   can be captured in a CUDA graph).
+2. A grouped GEMM over the stacked gate/up weights w13 [E, 2 * I, H] with SiLU-and-mul in its
+   epilogue gives each assignment's activation [I].
+3. A grouped GEMM over the stacked down weights w2 [E, H, I] scales each row by its routing weight;
+   the top-k rows of a token are then summed.
+
+`fused_moe_ref` is the torch twin (a loop over the experts that got tokens); it is also the CPU path.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """x: [T, H]; w13: [E, 2 * I, H] (gate rows, then up rows); w2: [E, H, I];
+    topk_weights, topk_ids: [T, K]. Returns [T, H] in x's dtype."""
+    out = torch.zeros_like(x)
+    for expert in topk_ids.unique().tolist():
+        token, slot = torch.where(topk_ids == expert)
+        gate, up = F.linear(x[token], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert]) * topk_weights[token, slot, None].to(x.dtype)
+        out.index_add_(0, token, y)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class MoeTile:
+    block_m: int      # assignments per tile (each tile belongs to one expert)
+    block_n: int      # output features per tile
+    block_k: int      # reduction step
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Decode: a few tokens per expert, so short tiles (16 is tl.dot's minimum) that waste little padding
+# and wide reduction steps to keep weight reads in flight. Prefill: tall tiles that reuse each
+# weight tile over many tokens.
+DECODE_TILE = MoeTile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+PREFILL_TILE = MoeTile(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+def choose_tile(num_tokens: int, top_k: int, num_experts: int) -> MoeTile:
+    """The decode tile while an expert gets at most one short tile of assignments on average."""
+    return DECODE_TILE if num_tokens * top_k <= DECODE_TILE.block_m * num_experts else PREFILL_TILE
+
+
+def align_tokens_to_experts(topk_ids: torch.Tensor, block_m: int,
+                            num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the flattened assignments (index token * K + k) by expert, each group padded to a
+    multiple of block_m. Returns
+      sorted_token_ids [P]: assignment indices in expert order; padding holds T * K (no assignment),
+      expert_ids [P // block_m]: the expert of each tile; -1 for tiles past the end,
+      num_tokens_post_padded [1]: where the padded groups end.
+    P is a bound that depends only on the shapes (T * K + each possible group's padding), so the
+    outputs have fixed sizes for a given batch."""
+    flat = topk_ids.flatten()
+    num_assignments = flat.numel()
+    capacity = num_assignments + min(num_experts, num_assignments) * (block_m - 1)
+    capacity = -(-capacity // block_m) * block_m
+    # scatter_add, not bincount: bincount on CUDA reads its maximum back to the host
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
+    padded_counts = (counts + block_m - 1) // block_m * block_m
+    padded_ends = padded_counts.cumsum(0)
+    order = torch.argsort(flat, stable=True)                # assignment indices, grouped by expert
+    expert_of_sorted = flat[order]
+    rank_in_group = torch.arange(num_assignments, device=flat.device) - (counts.cumsum(0) - counts)[expert_of_sorted]
+    destination = (padded_ends - padded_counts)[expert_of_sorted] + rank_in_group
+    sorted_token_ids = torch.full((capacity,), num_assignments, dtype=torch.int64, device=flat.device)
+    sorted_token_ids[destination] = order
+    tile_starts = torch.arange(0, capacity, block_m, device=flat.device)
+    expert_ids = torch.searchsorted(padded_ends, tile_starts, right=True)
+    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1)
+    return sorted_token_ids, expert_ids, padded_ends[-1:]
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
+                         num_tokens_post_padded_ptr, num_assignments, N, K,
+                         stride_a_row, stride_w_expert, stride_w_n, stride_out_row,
+                         ASSIGNMENTS_PER_A_ROW: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr):
+    """out[i, :N] = f(a[i // ASSIGNMENTS_PER_A_ROW] @ w[expert(i)]^T) for the assignments i of one tile.
+    GATED: w holds N gate rows then N up rows and f is silu(gate) * up. WEIGHTED: f scales by the
+    routing weight of assignment i."""
+    wait_for_previous_kernel(PDL)
+    pid = tl.program_id(0)
+    num_tiles_n = tl.cdiv(N, BLOCK_N)
+    tile_m, tile_n = pid // num_tiles_n, pid % num_tiles_n
+    if tile_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + tile_m).to(tl.int64)
+    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    assignment = tl.load(sorted_token_ids_ptr + offs_m)
+    valid = assignment < num_assignments                    # padding rows compute nothing and store nothing
+    a_row = tl.where(valid, assignment // ASSIGNMENTS_PER_A_ROW, 0).to(tl.int64)
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_row[:, None] * stride_a_row + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_w_expert + offs_n[None, :] * stride_w_n + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        mask_k = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision="ieee")
+        if GATED:
+            w_up = tl.load(w_ptrs + N * stride_w_n, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if WEIGHTED:
+        acc = acc * tl.load(topk_weights_ptr + assignment, mask=valid, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + assignment.to(tl.int64)[:, None] * stride_out_row + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
+
+
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_weights: torch.Tensor,
+                  alignment: tuple[torch.Tensor, torch.Tensor, torch.Tensor], assignments_per_a_row: int,
+                  gated: bool, tile: MoeTile) -> None:
+    sorted_token_ids, expert_ids, num_tokens_post_padded = alignment
+    n = out.shape[1]
+    grid = (len(expert_ids) * triton.cdiv(n, tile.block_n),)
+    _grouped_gemm_kernel[grid](
+        a, w, out, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
+        topk_weights.numel(), n, a.shape[1], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        ASSIGNMENTS_PER_A_ROW=assignments_per_a_row, GATED=gated, WEIGHTED=not gated,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_launch(a))
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, tile: MoeTile | None = None) -> torch.Tensor:
+    """The kernel path of fused_moe_ref (same arguments); `tile` overrides the size-based choice."""
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    top_k = topk_ids.shape[1]
+    assert x.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous() and w2.shape == (num_experts, hidden, two_i // 2)
+    tile = tile or choose_tile(num_tokens, top_k, num_experts)
+    alignment = align_tokens_to_experts(topk_ids, tile.block_m, num_experts)
+    topk_weights = topk_weights.contiguous()
+    # one row per (token, k) assignment, in assignment order; every row is written exactly once
+    activation = torch.empty(num_tokens * top_k, two_i // 2, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, activation, topk_weights, alignment, top_k, gated=True, tile=tile)
+    expert_out = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    _grouped_gemm(activation, w2, expert_out, topk_weights, alignment, 1, gated=False, tile=tile)
+    return expert_out.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -1,0 +1,106 @@
+"""A sparse mixture-of-experts feed-forward block: a router picks each token's top-k experts, whose
+SwiGLU MLPs run as grouped GEMMs over weights stacked per expert.
+
+Checkpoints store each expert apart (`experts.{e}.gate_proj/up_proj/down_proj.weight`);
+`expert_checkpoint_names` tells the loader which of them make up a stacked parameter (those carry
+`num_experts`), and the loader hands each to `FusedMoE.weight_loader` with its shard and expert id,
+which copies it into the stacked w13 [E, 2 * I, H] (gate rows, then up rows) or w2 [E, H, I].
+
+Tensor parallelism splits every expert's intermediate dimension over the ranks (gate/up rows, down
+columns), so each rank computes a partial sum of every token's output and one all-reduce after the
+down projection completes it. The router is small and replicated.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.kernels.fused_moe import fused_moe, fused_moe_ref
+from nanovllm.layers.linear import tp_rank_and_size
+
+# one expert's projection in a checkpoint -> the stacked parameter it goes into
+STACKED_PARAMS = {"gate_proj": "w13_weight", "up_proj": "w13_weight", "down_proj": "w2_weight"}
+
+
+def expert_checkpoint_names(param_name: str, num_experts: int) -> dict[str, tuple[str, int]]:
+    """The per-expert checkpoint tensors a stacked parameter is made of -> (shard id, expert id)."""
+    prefix, stacked = param_name.rsplit(".", 1)
+    projs = [proj for proj, target in STACKED_PARAMS.items() if target == stacked]
+    return {f"{prefix}.{e}.{proj}.weight": (proj.removesuffix("_proj"), e) for e in range(num_experts) for proj in projs}
+
+
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts in float32, the top-k of it, renormalised to sum to 1 when asked.
+    Returns (weights [T, K] float32, expert ids [T, K])."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class Router(nn.Module):
+    """The gate: one logit per expert. Replicated on every rank (each rank routes every token)."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class FusedMoE(nn.Module):
+    """Every expert's SwiGLU MLP, weights stacked by expert, this rank's slice of the intermediate size."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank_and_size()
+        if intermediate_size % self.tp_size:
+            raise ValueError(f"tensor_parallel_size={self.tp_size} must divide moe_intermediate_size={intermediate_size}")
+        self.num_experts = num_experts
+        self.intermediate_per_rank = intermediate_size // self.tp_size
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_per_rank, hidden_size),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_per_rank),
+                                      requires_grad=False)
+        for param in (self.w13_weight, self.w2_weight):
+            param.weight_loader = self.weight_loader
+            param.num_experts = num_experts     # marks a stacked parameter for the loader
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: str, expert_id: int) -> None:
+        """Copy this rank's slice of one expert's gate, up ([I, H]) or down ([H, I]) projection."""
+        size = self.intermediate_per_rank
+        start = self.tp_rank * size
+        if shard_id == "down":
+            param.data[expert_id].copy_(loaded[:, start:start + size])
+        else:
+            offset = 0 if shard_id == "gate" else size
+            param.data[expert_id, offset:offset + size].copy_(loaded[start:start + size])
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum of each token's weighted expert outputs (not yet all-reduced)."""
+        experts = fused_moe if x.is_cuda else fused_moe_ref
+        return experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, then the top-k experts of every token; one all-reduce over the ranks."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 norm_topk_prob: bool):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = Router(hidden_size, num_experts)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
+        # rounded to the activations' dtype before use, like the reference implementation
+        y = self.experts(x, weights.to(x.dtype), ids)
+        if self.experts.tp_size > 1:
+            dist.all_reduce(y)
+        return y
