@@ -361,7 +361,7 @@ def test_concurrent_streams_with_hang_ups(server, offline, http):
 def test_disconnected_non_streaming_client_is_aborted(server, http):
     before = wait_idle(http)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=1.0,
+        httpx.post(f"{server}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=0.3,
                    json=dict(model=MODEL_NAME, prompt="never mind", max_tokens=500, ignore_eos=True))
     after = wait_idle(http, timeout=5.0)
     assert after["nanovllm:num_requests_running"] == 0 and after["nanovllm:kv_cache_usage_perc"] == 0
