@@ -100,7 +100,8 @@ def injection_points(llm):
     return {
         "scheduling": (sched, "schedule", 4, False),
         "launch": (runner, "launch", 3, False),
-        "forward pass": (layer, "forward", 5, False),
+        # with CUDA graphs, decode steps replay a graph instead of calling the layers
+        "forward pass": (runner.graphs, "replay", 3, False) if runner.graphs else (layer, "forward", 5, False),
         "waiting for tokens": (runner, "collect", 4, False),
         "after the tokens came": (sched, "fill", 3, True),
         "stop strings": (llm, "_apply_stop_strings", 6, False),
@@ -161,17 +162,24 @@ def test_request_finishing_during_generate_is_returned_by_step(llm, hf_greedy):
     assert llm.is_finished() and llm.step() == []
 
 
+def generate_until_ctrl_c(llm, prompts, params, delay: float) -> None:
+    """Generate again and again until a real SIGINT, sent after delay seconds, lands somewhere."""
+    timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        while True:
+            llm.generate(prompts, params, use_tqdm=False)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        timer.join()
+
+
 def test_ctrl_c_from_a_signal_mid_generate(llm, hf_greedy):
     """A real SIGINT lands wherever the loop is; several tries land in several places."""
     long_run = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
     for delay in (0.05, 0.2, 0.45):
-        timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
-        timer.start()
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                llm.generate(PROMPTS * 4, long_run, use_tqdm=False)
-        finally:
-            timer.join()
+        generate_until_ctrl_c(llm, PROMPTS * 4, long_run, delay)
         assert_consistent(llm)
         assert llm.is_finished() and llm.block_manager.num_used_blocks == 0
     assert_idle_and_correct(llm, hf_greedy)

@@ -2,7 +2,6 @@
 and shutdown. On a machine with 2+ GPUs the same tests run over NCCL (device="auto")."""
 import multiprocessing as mp
 import os
-import signal
 import threading
 import time
 
@@ -92,7 +91,7 @@ def test_interrupts_on_the_tensor_parallel_path(model_paths, hf_greedy, monkeypa
     tokens equal transformers'. A failure in rank 0's forward pass, after the worker got the step,
     restarts the worker; a Ctrl-C there waits for the step to end."""
     from tests.test_interrupts import (Injected, assert_consistent, fail_on_call, failing_progress_bar,
-                                       injection_points, restore)
+                                       generate_until_ctrl_c, injection_points, restore)
     path = model_paths["gqa_tied"]
     prompts = mixed_prompts(500, lengths=(30, 3, 17), seed=4)
     expected = [hf_greedy(path, p, 16) for p in prompts]
@@ -121,12 +120,7 @@ def test_interrupts_on_the_tensor_parallel_path(model_paths, hf_greedy, monkeypa
             assert llm.is_finished() and llm.block_manager.num_used_blocks == 0
             assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected, point
         # a real Ctrl-C, wherever it lands
-        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate(prompts * 4, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True),
-                         use_tqdm=False)
-        timer.join()
+        generate_until_ctrl_c(llm, prompts * 4, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True), 0.3)
         assert_consistent(llm)
         assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     assert not mp.active_children()
