@@ -126,3 +126,24 @@ def test_stats_count_tokens_and_cache_hits(model_paths):
     assert stats["prefix_cache_hits"] == 32                 # two full blocks of 16, short of the last token
     assert stats["generation_tokens"] == 32
     assert stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0
+
+
+def test_random_token_streams_decode_like_the_whole(tokenizer):
+    """Random token streams (many of them byte pieces of multi-byte characters): the deltas, joined,
+    are at every step a prefix of tokenizer.decode of the whole stream, and equal it at the end;
+    with a stop string, the text ends right before its first occurrence."""
+    import random
+    rng = random.Random(3)
+    pieces = tokenizer.encode("naïve café — 你好 🙂 Привет") + list(range(3, 200))
+    for trial in range(40):
+        ids = [rng.choice(pieces) for _ in range(rng.randint(1, 30))]
+        whole = tokenizer.decode(ids, skip_special_tokens=True)
+        stop = [whole[len(whole) // 2:len(whole) // 2 + 2]] if trial % 2 and len(whole) > 4 else []
+        expected = whole[:whole.find(stop[0])] if stop else whole
+        detokenizer = IncrementalDetokenizer(tokenizer, stop)
+        shown = ""
+        for n in range(1, len(ids) + 1):
+            detokenizer.update(ids[:n], final=n == len(ids))
+            shown += detokenizer.delta(final=n == len(ids))
+            assert expected.startswith(shown), (ids, stop)
+        assert shown == expected == detokenizer.visible_text, (ids, stop)
