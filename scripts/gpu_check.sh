@@ -12,6 +12,8 @@
 #                                                  # the other families' shapes with their floors (~9 min)
 #   bash scripts/gpu_check.sh cuda-tests          # the engine's CPU tests again on CUDA (graphs on) (~9 min)
 #   bash scripts/gpu_check.sh fp8                 # FP8 kernel checks and timings, bench.py auto vs fp8 (~6 min)
+#   bash scripts/gpu_check.sh serving             # bench.py, then bench_serving.py at rising rates (needs the
+#                                                 # server's packages: carry them as wheels, see device notes)
 # Logs go to $OUT (or ./gpu_logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -89,6 +91,22 @@ if [ "$stage" = fp8 ]; then
     done
   done
   python scripts/bench_floor.py configs/qwen3-0.6b.json --kv-bytes 1 2>&1 | grep floor
+fi
+if [ "$stage" = serving ]; then
+  # bench.py offline, then the same requests through the HTTP server at rising rates to saturation
+  python bench.py --config configs/qwen3-0.6b.json 2>&1 | grep Throughput | sed "s|^|offline: |"
+  model=$(python -c "from nanovllm.utils.random_checkpoint import cached_random_checkpoint as c; print(c('configs/qwen3-0.6b.json'))")
+  python -m nanovllm.serve "$model" --port 8123 --max-model-len 4096 --log-level warning > "$LOGS/server.log" 2>&1 &
+  server=$!
+  for i in $(seq 180); do
+    python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8123/health')" 2>/dev/null && break
+    sleep 1
+  done
+  for rate in 4 16 64 inf; do
+    python bench_serving.py --port 8123 --request-rate $rate --save-result "$LOGS/serving_$rate.json" 2>&1 \
+      | tee -a "$LOGS/serving.log" | sed "s|^|rate $rate: |"
+  done
+  kill -TERM $server; wait $server; echo "server exit code $?"
 fi
 if [ "$stage" = cuda-tests ]; then
   python -m pytest -q -x tests/test_gpu.py tests/test_kernels.py -s 2>&1 | tee "$LOGS/pytest_gpu.log" | grep -E "passed|failed|error|ours|Error" | tail -30
