@@ -1,6 +1,6 @@
 """RMSNorm, optionally fused with the residual add before it (one pass over the hidden states).
 
-Rounds like Hugging Face's Qwen3RMSNorm: normalise in float32, round to the input dtype, then scale.
+Rounds like Hugging Face's RMSNorm layers: normalise in float32, round to the input dtype, then scale.
 """
 import torch
 

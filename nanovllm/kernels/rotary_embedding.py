@@ -1,5 +1,5 @@
-"""Rotary position embedding (the rotate-half form Qwen3 uses), applied to queries and keys in place;
-optionally after a per-head RMSNorm (Qwen3's q_norm and k_norm), and optionally followed by storing
+"""Rotary position embedding (the rotate-half form), applied to queries and keys in place;
+optionally after a per-head RMSNorm (the q_norm and k_norm some families have), and optionally followed by storing
 the rotated keys and the values into the paged KV cache. One kernel does all three, one program per
 token: a decode step would otherwise spend three more launches per layer on them.
 
