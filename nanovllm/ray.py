@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanovllm.config import Config
-from nanovllm.engine.llm_engine import LLMEngine, Prompt
+from nanovllm.engine.llm_engine import LLMEngine, Prompt, pair_prompts_with_params
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.validation import check_int, check_number
@@ -198,16 +198,11 @@ class RayLLM:
 
     def _requests(self, prompts: list[Prompt], sampling_params) -> list[Request]:
         """Token ids and params of every prompt, checked the way `LLM.generate` checks them."""
-        if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
-            raise TypeError("prompts must be a list of strings or a list of token-id lists")
-        if not isinstance(sampling_params, (list, tuple)):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
-        for sp in sampling_params:
+        pairs = pair_prompts_with_params(prompts, sampling_params)
+        for _, sp in pairs:
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
-        return [(self.encoder.encode_prompt(p), sp) for p, sp in zip(prompts, sampling_params)]
+        return [(self.encoder.encode_prompt(p), sp) for p, sp in pairs]
 
     def route(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None
               ) -> list[int]:

@@ -41,6 +41,21 @@ class RequestUpdate:
     output: dict | None           # the request's final output, once it finished
 
 
+def check_prompt_list(prompts) -> None:
+    if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
+        raise TypeError("prompts must be a list of strings or a list of token-id lists")
+
+
+def pair_prompts_with_params(prompts: list[Prompt], sampling_params) -> list[tuple[Prompt, SamplingParams]]:
+    """Each prompt with its SamplingParams (one for all, one per prompt, or the defaults)."""
+    check_prompt_list(prompts)
+    if not isinstance(sampling_params, (list, tuple)):
+        sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+    if len(sampling_params) != len(prompts):
+        raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
+    return list(zip(prompts, sampling_params))
+
+
 class LLMEngine:
     def __init__(self, model: str, **engine_args):
         config = Config.from_engine_args(model, **engine_args)
@@ -375,22 +390,16 @@ class LLMEngine:
         """Generate for every prompt; outputs come back in prompt order. If anything interrupts the
         call, its requests are aborted and the engine stays usable."""
         self._check_running()
-        if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
-            raise TypeError("prompts must be a list of strings or a list of token-id lists")
-        if not isinstance(sampling_params, (list, tuple)):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
         # validate everything before any work starts, so a bad request leaves the engine untouched
-        requests = [(self.encode_prompt(p), self.check_sampling_params(sp)) for p, sp in zip(prompts, sampling_params)]
+        requests = [(self.encode_prompt(p), self.check_sampling_params(sp))
+                    for p, sp in pair_prompts_with_params(prompts, sampling_params)]
         return self._run_until_done([self._add(token_ids, sp) for token_ids, sp in requests], use_tqdm)
 
     def beam_search(self, prompts: list[Prompt], params: BeamSearchParams, use_tqdm: bool = False) -> list[dict]:
         """Beam search for every prompt (see engine/beam_search.py); one dict per prompt, in order,
         whose `sequences` are the beam_width best beams, best first."""
         self._check_running()
-        if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
-            raise TypeError("prompts must be a list of strings or a list of token-id lists")
+        check_prompt_list(prompts)
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         params.validate()
