@@ -119,11 +119,10 @@ class BlockManager:
                 block.token_ids = tuple(seq.token_ids[i * size:(i + 1) * size])
                 self.hash_to_block[block.hash] = block.block_id
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """child shares every block of parent (it was forked from it)."""
+    def fork(self, parent: Sequence) -> None:
+        """A sequence forked from parent shares (a copy of) its block table: count the references."""
         for block_id in parent.block_table:
             self.blocks[block_id].ref_count += 1
-        child.block_table = list(parent.block_table)
 
     def num_shared_blocks(self, seq: Sequence, first_position: int) -> int:
         """Blocks of seq from the one holding first_position on that other sequences hold too."""

@@ -171,9 +171,6 @@ class LLMEngine:
         """Nothing waiting, running, in flight, or finished but not yet returned."""
         return not self.requests and self.scheduler.is_finished() and self.in_flight is None
 
-    def has_unfinished_requests(self) -> bool:
-        return not self.is_finished()
-
     def stats(self) -> dict:
         """Gauges and cumulative counters for monitoring."""
         sched, bm = self.scheduler, self.scheduler.block_manager

@@ -115,7 +115,7 @@ class Scheduler:
         """A new sibling of seq (a beam continued twice), queued where seq is."""
         child = seq.fork(len(seq.group))
         if seq.status == SequenceStatus.RUNNING:
-            self.block_manager.fork(seq, child)
+            self.block_manager.fork(seq)
             self.running.append(child)
         else:                                          # preempted: both recompute from scratch
             self.waiting.append(child)
@@ -123,10 +123,8 @@ class Scheduler:
 
     def _fork(self, seq: Sequence) -> None:
         """seq has computed its prompt but the last token: make its n - 1 siblings, sharing blocks."""
-        for index in range(1, seq.num_forks_due + 1):
-            child = seq.fork(index)
-            self.block_manager.fork(seq, child)
-            self.running.append(child)
+        for _ in range(seq.num_forks_due):
+            self.fork(seq)
         seq.num_forks_due = 0
 
     def _schedule_decode(self) -> ScheduledBatch:

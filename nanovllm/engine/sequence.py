@@ -43,7 +43,7 @@ class Sequence:
         self.finish_time: float | None = None
         self.index = 0                    # completion index within the request
         self.group: list[Sequence] = [self]   # the request's sequences, shared by all of them
-        self.num_forks_due = getattr(sampling_params, "n", 1) - 1   # siblings made once the prompt is in
+        self.num_forks_due = sampling_params.n - 1   # siblings made once the prompt is in
         self.beam_search = None           # the request's beam search, for a beam
         self.cum_logprob = 0.0            # beam search: sum of the chosen tokens' logprobs
         self.beam_candidates: dict[int, float] | None = None   # beam search: next tokens' logprobs
