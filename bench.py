@@ -5,14 +5,14 @@ ids below 10000, temperature 0.6, ignore_eos, max_model_len 4096; one warm-up re
 throughput = output tokens / wall time.
 
     python bench.py --model ~/huggingface/Qwen3-0.6B
-    python bench.py --config configs/qwen3-0.6b.json     # random weights of that shape
+    python bench.py --config configs/qwen3-0.6b.json     # random weights of that shape, drawn on the device
 """
 import argparse
 import time
 from random import randint, seed
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import cached_random_checkpoint
+from nanovllm.utils.random_checkpoint import cached_shape
 
 
 def main():
@@ -32,10 +32,10 @@ def main():
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = parser.parse_args()
 
-    path = args.model or cached_random_checkpoint(args.config)
+    path = args.model or cached_shape(args.config)
     llm = LLM(path, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
               enforce_eager=args.enforce_eager, enable_prefix_caching=bool(args.enable_prefix_caching),
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, load_format="auto" if args.model else "dummy")
 
     seed(0)
     prompts = [[randint(0, 10000) for _ in range(randint(args.min_input_len, args.max_input_len))]

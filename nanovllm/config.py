@@ -27,6 +27,7 @@ class Config:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     kv_cache_dtype: str = "auto"          # "auto": the model's dtype; "fp8": float8 e4m3 with scales
+    load_format: str = "auto"             # "auto": the safetensors files; "dummy": random weights (benchmarks)
     # Derived from the arguments and the checkpoint, not passed by users.
     hf_config: PretrainedConfig = field(init=False, repr=False)
     model_config: ModelConfig = field(init=False, repr=False)
@@ -43,7 +44,9 @@ class Config:
 
     def __post_init__(self):
         self.model = os.path.expanduser(str(self.model))
-        self.hf_config = load_hf_config(self.model)
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        self.hf_config = load_hf_config(self.model, needs_weights=self.load_format == "auto")
         self.model_config = ModelConfig.from_hf(self.hf_config)
         self._check_device()
         self._check_sizes()
@@ -114,13 +117,13 @@ class Config:
         return DTYPES[self.dtype]
 
 
-def load_hf_config(model: str) -> PretrainedConfig:
+def load_hf_config(model: str, needs_weights: bool = True) -> PretrainedConfig:
     """The checkpoint's config.json as transformers reads it; `ModelConfig.from_hf` says if we can run it."""
     if not os.path.isdir(model):
         raise ValueError(f"model: {model!r} is not a local directory (nanovllm loads local checkpoints only)")
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ValueError(f"model: {model!r} has no config.json")
-    if not glob.glob(os.path.join(model, "*.safetensors")):
+    if needs_weights and not glob.glob(os.path.join(model, "*.safetensors")):
         raise ValueError(f"model: {model!r} has no *.safetensors weight files")
     return AutoConfig.from_pretrained(model)
 

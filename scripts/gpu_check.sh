@@ -12,6 +12,9 @@
 #                                                  # the other families' shapes with their floors (~9 min)
 #   bash scripts/gpu_check.sh cuda-tests          # the engine's CPU tests again on CUDA (graphs on) (~9 min)
 #   bash scripts/gpu_check.sh fp8                 # FP8 kernel checks and timings, bench.py auto vs fp8 (~6 min)
+#   bash scripts/gpu_check.sh sampling            # beam width 4 and n = 4 against separate requests (~2 min)
+#   bash scripts/gpu_check.sh moe                 # Qwen3-30B-A3B shape: floor, bench.py, MoE share of the step,
+#                                                 # kernel tiles at each batch (one H200: nvidia-h200) (~8 min)
 #   bash scripts/gpu_check.sh serving             # bench.py, then bench_serving.py at 16, 64 req/s and at once (needs the
 #                                                 # server's packages: carry them as wheels, see device notes)
 # Logs go to $OUT (or ./gpu_logs).
@@ -107,6 +110,21 @@ if [ "$stage" = serving ]; then
       | tee -a "$LOGS/serving.log" | sed "s|^|rate $rate: |"
   done
   kill -TERM $server; wait $server; echo "server exit code $?"
+fi
+if [ "$stage" = sampling ]; then
+  python scripts/bench_parallel_sampling.py --config configs/qwen3-0.6b.json 2>&1 | tee "$LOGS/sampling.log" | grep -v Loading
+fi
+if [ "$stage" = moe ]; then
+  bandwidth=$(python -c "
+import torch
+from triton.testing import do_bench
+x = torch.empty(4 << 30, dtype=torch.uint8, device='cuda'); y = torch.empty_like(x)
+print(f'{2 * x.numel() / (do_bench(lambda: y.copy_(x)) / 1e3):.3e}')")
+  echo "device copy bandwidth $bandwidth B/s"
+  python scripts/bench_floor.py configs/qwen3-30b-a3b.json --bandwidth "$bandwidth" 2>&1 | grep floor
+  python bench.py --config configs/qwen3-30b-a3b.json 2>&1 | tee "$LOGS/bench_moe.log" | grep -E "Throughput|nanovllm:"
+  python scripts/profile_bench.py --config configs/qwen3-30b-a3b.json 2>&1 | tee "$LOGS/profile_moe.log" | grep -v Loading | head -45
+  python scripts/moe_check.py --no-tests --sweep 2>&1 | tee "$LOGS/moe_check.log" | tail -40
 fi
 if [ "$stage" = cuda-tests ]; then
   python -m pytest -q -x tests/test_gpu.py tests/test_kernels.py -s 2>&1 | tee "$LOGS/pytest_gpu.log" | grep -E "passed|failed|error|ours|Error" | tail -30

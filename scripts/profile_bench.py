@@ -11,11 +11,11 @@ from random import randint, seed
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import cached_random_checkpoint
+from nanovllm.utils.random_checkpoint import cached_shape
 
 KERNEL_GROUPS = [("attention", ("_decode_kernel", "_combine_splits", "_prefill_kernel", "flash", "attention",
                                  "fmha", "cutlass::fmha")),
-                 ("rms norm", ("_rms_norm",)), ("q/k norm, rotary, KV store", ("_rotary",)),
+                 ("fused MoE", ("_grouped_gemm_kernel",)), ("rms norm", ("_rms_norm",)), ("q/k norm, rotary, KV store", ("_rotary",)),
                  ("silu*mul", ("_silu_and_mul",)), ("GEMM", ("gemm", "cutlass", "sm90", "nvjet", "cublas")),
                  ("sampler", ("_chunk_summary", "_pick_token", "softmax", "argmax", "gather"))]
 
@@ -26,7 +26,7 @@ def main():
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--profile-steps", type=int, default=20)
     args = parser.parse_args()
-    llm = LLM(cached_random_checkpoint(args.config))
+    llm = LLM(cached_shape(args.config), load_format="dummy")
     seed(0)
     prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(args.num_seqs)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, 1024)) for _ in prompts]

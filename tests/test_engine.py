@@ -324,6 +324,7 @@ def test_bad_generate_arguments(model_paths):
     (dict(enforce_eager="yes"), TypeError, "enforce_eager"),
     (dict(max_num_seqs=2.5), TypeError, "max_num_seqs"),
     (dict(no_such_argument=1), TypeError, "no_such_argument"),
+    (dict(load_format="npz"), ValueError, "load_format"),
 ])
 def test_bad_engine_arguments(model_paths, kwargs, error, words):
     with pytest.raises(error, match=words):
@@ -343,3 +344,19 @@ def test_model_directory_without_config_or_weights(model_paths, tmp_path):
     os.remove(no_config / "config.json")
     with pytest.raises(ValueError, match="config.json"):
         LLM(str(no_config))
+
+
+def test_dummy_weights_are_the_random_checkpoint_drawn_in_place(tmp_path):
+    """load_format="dummy" needs no weight files; it draws what write_random_checkpoint would write
+    (same seed), so it must generate exactly what the written checkpoint does."""
+    from nanovllm.utils.random_checkpoint import write_tiny_model
+    written = str(tmp_path / "written")
+    write_tiny_model(written, seed=0)
+    shape_only = tmp_path / "shape_only"
+    shutil.copytree(written, shape_only, ignore=shutil.ignore_patterns("*.safetensors"))
+    prompts, params = [[5, 6, 7, 8], [9, 10]], SamplingParams(temperature=0.0, max_tokens=8)
+    expected = [o["token_ids"] for o in LLM(written).generate(prompts, params, use_tqdm=False)]
+    got = [o["token_ids"] for o in LLM(str(shape_only), load_format="dummy").generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(str(shape_only))

@@ -7,10 +7,12 @@ copy of it is skipped; an untied one must be in the checkpoint like every other 
 """
 import glob
 import os
+from collections.abc import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
 from torch import nn
+from transformers import AutoConfig
 
 from nanovllm.layers.moe import expert_checkpoint_names
 
@@ -38,24 +40,41 @@ def checkpoint_names(model: nn.Module) -> dict[str, tuple[str, tuple]]:
     return names
 
 
-def load_model(model: nn.Module, path: str) -> None:
+def load_model(model: nn.Module, path: str, load_format: str = "auto") -> None:
+    """Fill every parameter from the checkpoint at `path`, or with random values of the same
+    scale (load_format "dummy": benchmarks of shapes whose weights would not fit on disk)."""
+    if load_format == "dummy":
+        from nanovllm.utils.random_checkpoint import random_tensors
+        device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        load_tensors(model, random_tensors(AutoConfig.from_pretrained(path), dtype=dtype, device=str(device)), path)
+    else:
+        load_tensors(model, checkpoint_tensors(path), path)
+
+
+def checkpoint_tensors(path: str) -> Iterator[tuple[str, object]]:
     """Each tensor is read lazily as a safetensors slice, so a rank reads only the part it keeps."""
-    params = dict(model.named_parameters())
-    wanted = checkpoint_names(model)
-    loaded = set()
     for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.tie_word_embeddings):
-                    continue
-                if name not in wanted:
-                    raise ValueError(f"model: checkpoint tensor {name!r} has no place in the model")
-                target, shard = wanted[name]
-                param = params[target]
-                loader = getattr(param, "weight_loader", default_weight_loader)
-                with torch.no_grad():
-                    loader(param, f.get_slice(name), *shard)
-                loaded.add(name)
+                yield name, f.get_slice(name)
+
+
+def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, object]], path: str) -> None:
+    params = dict(model.named_parameters())
+    wanted = checkpoint_names(model)
+    loaded = set()
+    for name, tensor in tensors:
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.tie_word_embeddings):
+            continue
+        if name not in wanted:
+            raise ValueError(f"model: checkpoint tensor {name!r} has no place in the model")
+        target, shard = wanted[name]
+        param = params[target]
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        with torch.no_grad():
+            loader(param, tensor, *shard)
+        loaded.add(name)
     missing = sorted(set(wanted) - loaded)
     if missing:
         raise ValueError(f"model: checkpoint at {path!r} lacks {len(missing)} weight(s) the model needs: "

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -81,6 +82,17 @@ def write_demo_tokenizer(path: str, vocab_size: int = 500):
     return fast
 
 
+def random_tensors(config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                   device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, random tensor) for every weight of the family's model class, one at a time."""
+    with torch.device("meta"):
+        shapes = per_expert_shapes({name: p.shape for name, p in AutoModelForCausalLM.from_config(config).named_parameters()})
+    qk_norm = any(name.endswith("q_norm.weight") for name in shapes)
+    generator = torch.Generator(device).manual_seed(seed)
+    for name, shape in shapes.items():
+        yield name, _random_weight(name, shape, generator, device, config.num_hidden_layers, qk_norm).to(dtype)
+
+
 def write_random_checkpoint(path: str, config: PretrainedConfig, seed: int = 0, dtype: torch.dtype | None = None,
                             max_shard_bytes: int = 4 << 30, device: str = "cpu") -> None:
     """Write config.json and random safetensors shards (with an index when there are several)."""
@@ -89,13 +101,9 @@ def write_random_checkpoint(path: str, config: PretrainedConfig, seed: int = 0, 
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     config.dtype = dtype
     config.save_pretrained(path)
-    with torch.device("meta"):
-        shapes = per_expert_shapes({name: p.shape for name, p in AutoModelForCausalLM.from_config(config).named_parameters()})
-    qk_norm = any(name.endswith("q_norm.weight") for name in shapes)
-    generator = torch.Generator(device).manual_seed(seed)
     shards, shard, shard_bytes = [], {}, 0
-    for name, shape in shapes.items():
-        tensor = _random_weight(name, shape, generator, device, config.num_hidden_layers, qk_norm).to(dtype).cpu()
+    for name, tensor in random_tensors(config, seed, dtype, device):
+        tensor = tensor.cpu()
         if shard and shard_bytes + tensor.nbytes > max_shard_bytes:
             shards.append(shard)
             shard, shard_bytes = {}, 0
@@ -166,13 +174,35 @@ def write_tiny_model(path: str, seed: int = 0, max_shard_bytes: int = 4 << 30,
 
 def cached_random_checkpoint(config_file: str) -> str:
     """A bfloat16 random checkpoint of the shape in config_file, written once to the temp dir."""
-    with open(config_file) as f:
-        text = f.read()
-    path = os.path.join(tempfile.gettempdir(), "nanovllm-random-" + hashlib.sha1(text.encode()).hexdigest()[:12])
+    path = _cache_dir(config_file, "nanovllm-random-")
     if not os.path.isfile(os.path.join(path, "complete")):
         print(f"Writing random weights of the shape in {config_file} to {path} ...")
         write_demo_tokenizer(path)
-        write_random_checkpoint(path, config_from_dict(json.loads(text)), dtype=torch.bfloat16,
+        write_random_checkpoint(path, _read_config(config_file), dtype=torch.bfloat16,
                                 device="cuda" if torch.cuda.is_available() else "cpu")
         open(os.path.join(path, "complete"), "w").close()
     return path
+
+
+def cached_shape(config_file: str) -> str:
+    """config.json (bfloat16) and a tokenizer of the shape in config_file, without weights: a model
+    directory for `load_format="dummy"`, which draws the weights on the device instead of reading them."""
+    path = _cache_dir(config_file, "nanovllm-shape-")
+    if not os.path.isfile(os.path.join(path, "complete")):
+        write_demo_tokenizer(path)
+        config = _read_config(config_file)
+        config.dtype = torch.bfloat16
+        config.save_pretrained(path)
+        open(os.path.join(path, "complete"), "w").close()
+    return path
+
+
+def _cache_dir(config_file: str, prefix: str) -> str:
+    with open(config_file) as f:
+        digest = hashlib.sha1(f.read().encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), prefix + digest)
+
+
+def _read_config(config_file: str) -> PretrainedConfig:
+    with open(config_file) as f:
+        return config_from_dict(json.load(f))

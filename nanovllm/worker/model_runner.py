@@ -80,7 +80,7 @@ class ModelRunner:
                                     world_size=self.world_size, rank=rank, timeout=timedelta(minutes=10))
         with torch.device(self.device), default_dtype(config.torch_dtype):
             self.model = build_model(config.model_config)
-        load_model(self.model, config.model)
+        load_model(self.model, config.model, config.load_format)
         self.model.eval()
         if conn is not None:
             conn.send(LOADED)
