@@ -98,8 +98,9 @@ fi
 if [ "$stage" = serving ]; then
   # bench.py offline, then the same requests through the HTTP server at rising rates to saturation
   python bench.py --config configs/qwen3-0.6b.json 2>&1 | grep Throughput | sed "s|^|offline: |"
-  model=$(python -c "from nanovllm.utils.random_checkpoint import cached_random_checkpoint as c; print(c('configs/qwen3-0.6b.json'))")
-  python -m nanovllm.serve "$model" --port 8123 --max-model-len 4096 --log-level warning > "$LOGS/server.log" 2>&1 &
+  model=$(python -c "from nanovllm.utils.random_checkpoint import cached_shape; print(cached_shape('configs/qwen3-0.6b.json'))")
+  python -m nanovllm.serve "$model" --load-format dummy --port 8123 --max-model-len 4096 --log-level warning \
+    > "$LOGS/server.log" 2>&1 &
   server=$!
   for i in $(seq 180); do
     python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8123/health')" 2>/dev/null && break
