@@ -308,33 +308,56 @@ def test_n_with_several_prompts_numbers_choices_prompt_major(client, offline):
     assert ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(4)] == want
 
 
-def test_an_n_request_holds_its_prompt_once(server, http, offline):
-    """While an n=4 stream runs, the prompt is prefilled once (the prompt-token and prefix-cache
-    counters grow by one prompt) and its full blocks are held once: KV usage stays within the
-    shared blocks plus each completion's own, far below four copies of the prompt."""
-    block, num_blocks = ENGINE_ARGS["kvcache_block_size"], ENGINE_ARGS["num_kvcache_blocks"]
+def test_an_n_request_holds_its_prompt_once(path, offline):
+    """In process (the app over an AsyncLLM without prefix caching, whose every step is measured):
+    a streamed n=4 request prefills its prompt once (the prompt-token counter grows by one prompt)
+    and at its peak holds fewer KV blocks than two n=1 requests would; four separate requests
+    would hold four prompts."""
+    import asyncio
+
+    from nanovllm import AsyncLLM
+    from nanovllm.serve.app import build_app
+
+    llm = AsyncLLM(path, **{**ENGINE_ARGS, "enable_prefix_caching": False})
+    step_updates, used = llm.engine.step_updates, []
+
+    def measured_step_updates():
+        updates = step_updates()
+        used.append(llm.engine.block_manager.num_used_blocks)
+        return updates
+
+    llm.engine.step_updates = measured_step_updates     # set while the thread idles, before any request
     prompt = mixed_prompts(offline.config.hf_config.vocab_size, lengths=(200,), seed=41)[0]
-    full, tail = divmod(len(prompt), block)                              # 12 full blocks, 8 tokens
-    before = wait_idle(http)
-    body = dict(model=MODEL_NAME, prompt=prompt, n=4, max_tokens=300, temperature=1.0, seed=3, ignore_eos=True,
-                stream=True)
-    with http.stream("POST", "/v1/completions", json=body) as response:
-        seen = set()
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                seen.add(json.loads(line[6:])["choices"][0]["index"])
-            if seen == {0, 1, 2, 3}:                                    # all four completions decode
-                break
-        during = metrics(http)
-    assert during["nanovllm:num_requests_running"] == 4                   # still running (4 sequences)
-    assert during["nanovllm:prompt_tokens_total"] - before["nanovllm:prompt_tokens_total"] == len(prompt)
-    assert during["nanovllm:prefix_cache_queries_total"] - before["nanovllm:prefix_cache_queries_total"] == len(prompt)
-    used = round(during["nanovllm:kv_cache_usage_perc"] * num_blocks)
-    per_completion = (during["nanovllm:generation_tokens_total"] - before["nanovllm:generation_tokens_total"]) / 4
-    own = -(-(tail + int(per_completion) + 2) // block)                 # + the step in flight
-    assert full + 4 <= used <= full + 4 * own < 4 * (full + 1)
-    after = wait_idle(http)                                              # the hang-up freed all four
-    assert after["nanovllm:num_requests_running"] == 0 and after["nanovllm:kv_cache_usage_perc"] == 0
+    full, tail = divmod(len(prompt), ENGINE_ARGS["kvcache_block_size"])     # 12 full blocks, 8 tokens
+
+    async def stream(client: openai.AsyncOpenAI, n: int) -> tuple[list[str], int, int]:
+        """Each choice's streamed text, the peak of used blocks and the prompt tokens counted."""
+        used.clear()
+        prompt_tokens = llm.stats()["prompt_tokens"]
+        chunks = await client.completions.create(model=MODEL_NAME, prompt=prompt, n=n, max_tokens=20, seed=3,
+                                                 temperature=1.0, stream=True, extra_body={"ignore_eos": True})
+        texts = [""] * n
+        async for chunk in chunks:
+            texts[chunk.choices[0].index] += chunk.choices[0].text
+        return texts, max(used), llm.stats()["prompt_tokens"] - prompt_tokens
+
+    async def main():
+        transport = httpx.ASGITransport(app=build_app(llm, MODEL_NAME))
+        async with httpx.AsyncClient(transport=transport) as http_client:
+            client = openai.AsyncOpenAI(base_url="http://nanovllm/v1", api_key="none", http_client=http_client)
+            return await stream(client, 1), await stream(client, 4)
+
+    try:
+        (_, one_peak, one_prompt), (texts, four_peak, four_prompt) = asyncio.run(asyncio.wait_for(main(), 120))
+        assert llm.engine.block_manager.num_used_blocks == 0
+    finally:
+        llm.shutdown()
+    expected = offline.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=20,
+                                                         ignore_eos=True), use_tqdm=False)[0]["outputs"]
+    assert texts == [c["text"] for c in expected]
+    assert one_prompt == four_prompt == len(prompt)                      # prefilled once
+    assert one_peak == full + 2                                          # 8 + 20 tokens: two blocks of its own
+    assert four_peak == full + 4 * 2 < 2 * one_peak                      # shared prompt blocks, four own tails
 
 
 def test_hang_up_of_an_n_stream_frees_every_completion(server, http):
