@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, field
 
@@ -63,36 +63,47 @@ _ACCEPTED = object()    # first item of a delivery queue: the engine took the re
 
 class RequestStream:
     """The outputs of one request as they arrive. Outputs that queued up while the reader was busy
-    come as one (their deltas joined), so a slow reader costs fewer, larger messages rather than
-    a growing backlog. Closing the stream (or leaving a `with` block) before the last output
-    aborts the request."""
+    come joined, one per completion index (their deltas joined, never across indices), so a slow
+    reader costs fewer, larger messages rather than a growing backlog. Closing the stream (or
+    leaving a `with` block) before the last output aborts the request."""
 
     def __init__(self, llm: "AsyncLLM", request_id: Hashable, delivery: _Delivery):
         self.request_id = request_id
-        self.finished = False
+        self.finished = False              # the last output has arrived (or an error)
         self._llm = llm
         self._queue = delivery.queue
+        self._ready: deque[dict] = deque()               # arrived and joined, not yet handed out
         self._held_error: BaseException | None = None   # arrived behind outputs already joined
 
     def __aiter__(self) -> "RequestStream":
         return self
 
     async def __anext__(self) -> dict:
-        if self.finished:
-            raise StopAsyncIteration
+        if not self._ready:
+            if self.finished:
+                raise StopAsyncIteration
+            await self._take_arrived()
+        return self._ready.popleft()
+
+    async def _take_arrived(self) -> None:
+        """Wait for one output, take every one queued behind it, and join them per index; the
+        index that moved last goes last, so the request's final output stays the last one."""
         item = self._held_error or await self._queue.get()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
-        while not item["finished"] and not self._queue.empty():
-            following = self._queue.get_nowait()
-            if isinstance(following, BaseException):
-                self._held_error = following
+        joined: dict[int, dict] = {}
+        while True:
+            before = joined.pop(item["index"], None)
+            joined[item["index"]] = item if before is None else _joined(before, item)
+            if item["finished"] or self._queue.empty():
                 break
-            item = {**following, "delta_text": item["delta_text"] + following["delta_text"],
-                    "delta_token_ids": item["delta_token_ids"] + following["delta_token_ids"]}
-        self.finished = item["finished"]
-        return item
+            item = self._queue.get_nowait()
+            if isinstance(item, BaseException):
+                self._held_error = item
+                break
+        self.finished = any(out["finished"] for out in joined.values())
+        self._ready.extend(joined.values())
 
     def close(self) -> None:
         if not self.finished:
@@ -165,8 +176,14 @@ class AsyncLLM:
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                        request_id: Hashable | None = None) -> AsyncIterator[dict]:
         """Yield the request's progress as tokens arrive: `delta_text`, `delta_token_ids`, the
-        cumulative `text` and `token_ids`, `finished`, `finish_reason`; the last one also carries
-        the fields of the engine's final output. Leaving the loop early aborts the request."""
+        cumulative `text` and `token_ids`, `finished`, `finish_reason`; `delta_logprobs` (the new
+        tokens' logprobs, when asked for, else None); the last one also carries the fields of the
+        engine's final output (`outputs`, `metrics`, ..., and this completion's `logprobs`).
+
+        Each output is the progress of one completion, numbered by `index` (0..n-1; always 0 when
+        n is 1): the text and token fields are that completion's, `finish_reason` is set on the
+        output that ends it, and `finished` only on the last output of the request, once all n
+        completions ended. Leaving the loop early aborts the request (all n completions)."""
         stream = await self.add_request(prompt, sampling_params, request_id)
         with stream:
             async for out in stream:
@@ -265,10 +282,11 @@ class AsyncLLM:
         was_live = self.engine.abort(command.request_id)
         delivery = self._live.pop(command.request_id, None)
         if delivery is not None:
-            last = delivery.last or {"text": "", "token_ids": []}
-            self._deliver([(delivery, {"request_id": command.request_id, "delta_text": "", "delta_token_ids": [],
-                                       "text": last["text"], "token_ids": last["token_ids"],
-                                       "finished": True, "finish_reason": "abort"})])
+            last = delivery.last or {"index": 0, "text": "", "token_ids": []}
+            self._deliver([(delivery, {"request_id": command.request_id, "index": last["index"], "delta_text": "",
+                                       "delta_token_ids": [], "delta_logprobs": None, "text": last["text"],
+                                       "token_ids": last["token_ids"], "finished": True,
+                                       "finish_reason": "abort"})])
         if command.done is not None:
             loop, future = command.done
             loop.call_soon_threadsafe(_set_result, future, was_live)
@@ -279,13 +297,16 @@ class AsyncLLM:
             delivery = self._live.get(update.request_id)
             if delivery is None:
                 continue
-            out = dict(update.output) if update.output else {}
-            out.update(request_id=update.request_id, delta_text=update.delta_text,
-                       delta_token_ids=update.new_token_ids, text=update.text, token_ids=update.token_ids,
-                       finished=update.finished, finish_reason=update.finish_reason)
-            delivery.last = out
-            if update.finished:
+            finished = update.output is not None         # the engine's output ends the request
+            out = dict(update.output) if finished else {}
+            out.update(request_id=update.request_id, index=update.index, delta_text=update.delta_text,
+                       delta_token_ids=update.new_token_ids, delta_logprobs=update.new_logprobs,
+                       text=update.text, token_ids=update.token_ids, finished=finished,
+                       finish_reason=update.finish_reason)
+            if finished:          # the top-level fields are those of this output's completion
+                out["logprobs"] = update.output["outputs"][update.index]["logprobs"]
                 del self._live[update.request_id]
+            delivery.last = out
             items.append((delivery, out))
         self._deliver(items)
 
@@ -318,6 +339,13 @@ class AsyncLLM:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:                # that caller's event loop is closed: nobody listens
                 pass
+
+
+def _joined(before: dict, after: dict) -> dict:
+    """Two outputs of one completion as one: the later one with both deltas."""
+    logprobs = None if after["delta_logprobs"] is None else before["delta_logprobs"] + after["delta_logprobs"]
+    return {**after, "delta_text": before["delta_text"] + after["delta_text"],
+            "delta_token_ids": before["delta_token_ids"] + after["delta_token_ids"], "delta_logprobs": logprobs}
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:

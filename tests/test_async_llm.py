@@ -56,6 +56,7 @@ def stop_string_from(text: str, length: int) -> str:
 
 
 def check_stream_matches(outs: list[dict], expected: dict) -> None:
+    assert {o["index"] for o in outs} == {0}
     assert outs[-1]["finished"] and not any(o["finished"] for o in outs[:-1])
     assert "".join(o["delta_text"] for o in outs) == outs[-1]["text"] == expected["text"]
     assert [t for o in outs for t in o["delta_token_ids"]] == outs[-1]["token_ids"] == expected["token_ids"]
@@ -83,8 +84,11 @@ def test_concurrent_streams_equal_offline_outputs(llm, offline):
     streamed = run(main())
     for outs, exp in zip(streamed, expected):
         check_stream_matches(outs, exp)
-    for got, want in zip(streamed[4][-1]["logprobs"], expected[4]["logprobs"], strict=True):
-        assert got.keys() == want.keys() and all(abs(got[t] - want[t]) < 1e-4 for t in got)
+    streamed_logprobs = [lp for out in streamed[4] for lp in out["delta_logprobs"]]      # as they came
+    for got, want in zip(streamed_logprobs, expected[4]["logprobs"], strict=True):
+        assert got.keys() == want.keys() and all(abs(got[t] - want[t]) < 1e-5 for t in got)
+    assert streamed[4][-1]["logprobs"] == streamed_logprobs
+    assert all(out["delta_logprobs"] is None for out in streamed[0])                  # not asked for
     assert max(len(outs) for outs in streamed) > 10      # outputs arrive as tokens come, not at the end
 
 
@@ -118,6 +122,69 @@ def test_stop_string_never_appears_in_deltas(llm, offline):
     for out in outs:
         sent += out["delta_text"]
         assert stop not in sent
+
+
+def check_n_stream_matches(outs: list[dict], expected: dict) -> None:
+    """Per completion index: the deltas join to offline's completion (text, tokens, logprobs), the
+    cumulative fields grow by them, and one output ends it; only the last output ends the request."""
+    n = len(expected["outputs"])
+    assert {o["index"] for o in outs} == set(range(n))
+    assert outs[-1]["finished"] and not any(o["finished"] for o in outs[:-1])
+    for want in expected["outputs"]:
+        mine = [o for o in outs if o["index"] == want["index"]]
+        text, token_ids, logprobs = "", [], []
+        for out in mine:
+            text, token_ids = text + out["delta_text"], token_ids + out["delta_token_ids"]
+            logprobs += out["delta_logprobs"]
+            assert out["text"] == text and out["token_ids"] == token_ids
+        assert text == want["text"] and token_ids == want["token_ids"]
+        for got, exp in zip(logprobs, want["logprobs"], strict=True):
+            assert got.keys() == exp.keys() and all(abs(got[t] - exp[t]) < 1e-5 for t in got)
+        assert [o["finish_reason"] for o in mine] == [None] * (len(mine) - 1) + [want["finish_reason"]]
+    assert [c["token_ids"] for c in outs[-1]["outputs"]] == [c["token_ids"] for c in expected["outputs"]]
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_an_n_stream_delivers_every_completion(llm, offline, slow):
+    """n=3, seeded, with logprobs; completion 1 stops early on a stop token so the three end at
+    different steps. A slow reader gets deltas joined per completion, never across them."""
+    prompt = "three ways to say it"
+    params = SamplingParams(n=3, temperature=1.0, seed=13, max_tokens=30, ignore_eos=True, logprobs=1)
+    free = offline.generate([prompt], params, use_tqdm=False)[0]["outputs"]
+    params.stop_token_ids = [free[1]["token_ids"][5]]
+    expected = offline.generate([prompt], params, use_tqdm=False)[0]
+    assert expected["outputs"][1]["finish_reason"] == "stop" and len(expected["outputs"][1]["token_ids"]) <= 6
+
+    async def main():
+        outs = []
+        async for out in llm.generate(prompt, params):
+            outs.append(out)
+            if slow:
+                await asyncio.sleep(0.15)       # several engine steps pass per read
+        return outs
+
+    outs = run(main())
+    check_n_stream_matches(outs, expected)
+    num_tokens = sum(len(c["token_ids"]) for c in expected["outputs"])
+    if slow:
+        assert len(outs) < num_tokens / 2 and any(len(o["delta_token_ids"]) > 1 for o in outs)
+    else:
+        assert len(outs) > num_tokens / 2       # outputs arrive as tokens come, not at the end
+
+
+def test_leaving_an_n_stream_early_frees_every_completion(llm):
+    long = SamplingParams(n=4, temperature=1.0, max_tokens=400, ignore_eos=True)
+
+    async def main():
+        indices = set()
+        async for out in llm.generate("many long answers", long):
+            indices.add(out["index"])
+            if len(indices) == 4:
+                break
+
+    run(main())
+    assert wait_until(lambda: llm.engine.block_manager.num_used_blocks == 0)
+    assert wait_until(lambda: llm.stats()["num_running"] == 0 and llm.stats()["num_waiting"] == 0)
 
 
 def test_leaving_early_aborts_and_frees_blocks(llm):

@@ -250,24 +250,133 @@ def test_stop_strings_cut_text_streamed_or_not(client, offline):
     assert streamed == expected["text"]
 
 
-def test_n_choices(client, http):
-    kwargs = dict(model=MODEL_NAME, prompt="Introduce yourself", max_tokens=12, temperature=1.0, seed=5, n=3,
+def seeded_n(n: int, max_tokens: int = 12, seed: int = 5) -> SamplingParams:
+    return SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+
+
+def test_n_choices_equal_offline_n_streamed_or_not(client, offline):
+    """n is SamplingParams.n: choice i is completion i of offline generate with the same seed."""
+    prompt = "Introduce yourself"
+    expected = offline.generate([prompt], seeded_n(3), use_tqdm=False)[0]["outputs"]
+    assert len({c["text"] for c in expected}) == 3                   # the completions differ
+    kwargs = dict(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=1.0, seed=5, n=3,
                   extra_body={"ignore_eos": True})
-    first = client.completions.create(**kwargs)
-    again = client.completions.create(**kwargs)
-    texts = [c.text for c in first.choices]
-    assert [c.index for c in first.choices] == [0, 1, 2]
-    assert texts == [c.text for c in again.choices]                  # seeded: reproducible
-    assert len(set(texts)) == 3                                      # and the choices differ
-    assert first.usage.completion_tokens == 36
-    assert first.usage.prompt_tokens == client.completions.create(
-        model=MODEL_NAME, prompt="Introduce yourself", max_tokens=1).usage.prompt_tokens   # prompt counted once
-    greedy = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], n=2,
-                                            max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
-    assert len(greedy.choices) == 2 and greedy.choices[0].message.content == greedy.choices[1].message.content
+    whole = client.completions.create(**kwargs)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.text for c in whole.choices] == [c["text"] for c in expected]
+    assert [c.finish_reason for c in whole.choices] == ["length"] * 3
+    assert whole.usage.completion_tokens == 36
+    assert whole.usage.prompt_tokens == len(offline.tokenizer.encode(prompt))     # the prompt counted once
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    texts = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)}
+    assert [texts[i] for i in range(3)] == [c["text"] for c in expected]
+    ends = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(choice.index for choice in ends) == [0, 1, 2] and {c.finish_reason for c in ends} == {"length"}
+    assert chunks[-1].usage.completion_tokens == 36 and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    expected_chat = offline.chat(messages, seeded_n(2, max_tokens=8, seed=9), use_tqdm=False)[0]["outputs"]
+    chat_kwargs = dict(model=MODEL_NAME, messages=messages, n=2, max_tokens=8, temperature=1.0, seed=9,
+                       extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(**chat_kwargs)
+    assert [c.message.content for c in chat.choices] == [c["text"] for c in expected_chat]
+    chat_chunks = list(client.chat.completions.create(stream=True, **chat_kwargs))
+    assert {c.choices[0].index for c in chat_chunks if c.choices[0].delta.role == "assistant"} == {0, 1}
+    assert ["".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices[0].index == i)
+            for i in range(2)] == [c["text"] for c in expected_chat]
+
+
+def test_n_greedy_choices_are_copies_of_greedy(client, offline):
+    prompt = "The weather today"
+    expected = offline.generate([prompt], SamplingParams(max_tokens=10, **GREEDY), use_tqdm=False)[0]["text"]
+    kwargs = dict(model=MODEL_NAME, prompt=prompt, n=4, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    assert [c.text for c in client.completions.create(**kwargs).choices] == [expected] * 4
     chunks = list(client.completions.create(stream=True, **kwargs))
-    per_choice = {i: "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(3)}
-    assert [per_choice[i] for i in range(3)] == texts
+    assert ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(4)] == [expected] * 4
+
+
+def test_n_with_several_prompts_numbers_choices_prompt_major(client, offline):
+    prompts = ["first prompt", "a second, longer prompt here"]
+    expected = offline.generate(prompts, seeded_n(2, max_tokens=8, seed=11), use_tqdm=False)
+    want = [c["text"] for out in expected for c in out["outputs"]]             # prompt 0's two, then prompt 1's
+    kwargs = dict(model=MODEL_NAME, prompt=prompts, n=2, max_tokens=8, temperature=1.0, seed=11,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3] and [c.text for c in whole.choices] == want
+    assert whole.usage.prompt_tokens == sum(len(out["prompt_token_ids"]) for out in expected)
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    assert ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(4)] == want
+
+
+def test_an_n_request_holds_its_prompt_once(path, offline):
+    """In process (the app over an AsyncLLM without prefix caching, whose every step is measured):
+    a streamed n=4 request prefills its prompt once (the prompt-token counter grows by one prompt)
+    and at its peak holds fewer KV blocks than two n=1 requests would; four separate requests
+    would hold four prompts."""
+    import asyncio
+
+    from nanovllm import AsyncLLM
+    from nanovllm.serve.app import build_app
+
+    llm = AsyncLLM(path, **{**ENGINE_ARGS, "enable_prefix_caching": False})
+    step_updates, used = llm.engine.step_updates, []
+
+    def measured_step_updates():
+        updates = step_updates()
+        used.append(llm.engine.block_manager.num_used_blocks)
+        return updates
+
+    llm.engine.step_updates = measured_step_updates     # set while the thread idles, before any request
+    prompt = mixed_prompts(offline.config.hf_config.vocab_size, lengths=(200,), seed=41)[0]
+    full, tail = divmod(len(prompt), ENGINE_ARGS["kvcache_block_size"])     # 12 full blocks, 8 tokens
+
+    async def stream(client: openai.AsyncOpenAI, n: int) -> tuple[list[str], int, int]:
+        """Each choice's streamed text, the peak of used blocks and the prompt tokens counted."""
+        used.clear()
+        prompt_tokens = llm.stats()["prompt_tokens"]
+        chunks = await client.completions.create(model=MODEL_NAME, prompt=prompt, n=n, max_tokens=20, seed=3,
+                                                 temperature=1.0, stream=True, extra_body={"ignore_eos": True})
+        texts = [""] * n
+        async for chunk in chunks:
+            texts[chunk.choices[0].index] += chunk.choices[0].text
+        return texts, max(used), llm.stats()["prompt_tokens"] - prompt_tokens
+
+    async def main():
+        transport = httpx.ASGITransport(app=build_app(llm, MODEL_NAME))
+        async with httpx.AsyncClient(transport=transport) as http_client:
+            client = openai.AsyncOpenAI(base_url="http://nanovllm/v1", api_key="none", http_client=http_client)
+            return await stream(client, 1), await stream(client, 4)
+
+    try:
+        (_, one_peak, one_prompt), (texts, four_peak, four_prompt) = asyncio.run(asyncio.wait_for(main(), 120))
+        assert llm.engine.block_manager.num_used_blocks == 0
+    finally:
+        llm.shutdown()
+    expected = offline.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=20,
+                                                         ignore_eos=True), use_tqdm=False)[0]["outputs"]
+    assert texts == [c["text"] for c in expected]
+    assert one_prompt == four_prompt == len(prompt)                      # prefilled once
+    assert one_peak == full + 2                                          # 8 + 20 tokens: two blocks of its own
+    assert four_peak == full + 4 * 2 < 2 * one_peak                      # shared prompt blocks, four own tails
+
+
+def test_hang_up_of_an_n_stream_frees_every_completion(server, http):
+    before = wait_idle(http)
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "go on"}], n=3,
+                                            max_tokens=400, temperature=0.7, stream=True,
+                                            extra_body={"ignore_eos": True})
+    for count, _ in enumerate(stream):
+        if count == 8:
+            break
+    stream.close()
+    after = wait_idle(http)
+    assert after["nanovllm:num_requests_running"] == 0 and after["nanovllm:num_requests_waiting"] == 0
+    assert after["nanovllm:kv_cache_usage_perc"] == 0
+    generated = after["nanovllm:generation_tokens_total"] - before["nanovllm:generation_tokens_total"]
+    assert 0 < generated < 3 * 400 / 2                                    # aborted, not run to the end
+    finished = "nanovllm:request_success_total|length"
+    assert after.get(finished, 0) == before.get(finished, 0)
 
 
 def test_logprobs(client, offline):
@@ -313,6 +422,38 @@ def test_metrics(client, http):
     assert after["nanovllm:e2e_request_latency_seconds_sum"] > before.get("nanovllm:e2e_request_latency_seconds_sum", 0)
     assert after["nanovllm:prefix_cache_queries_total"] >= after["nanovllm:prefix_cache_hits_total"] >= 0
     assert 0 <= after["nanovllm:prefix_cache_hit_rate"] <= 1
+
+
+def test_streamed_logprobs_come_with_their_tokens(client):
+    """Each chunk carries its own tokens' logprobs (not all at the end); joined per choice they equal
+    the whole response's, for completions (n=2, seeded) and chat."""
+    kwargs = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=4, n=2,
+                  logprobs=2, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == choice.index]
+        with_logprobs = [c for c in mine if c.logprobs and c.logprobs.tokens]
+        assert len(with_logprobs) > 1 and mine[-1].finish_reason == "length"
+        assert with_logprobs[0] is not mine[-1]                         # some arrived before the last chunk
+        joined = {key: [v for c in with_logprobs for v in getattr(c.logprobs, key)]
+                  for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        assert joined["tokens"] == choice.logprobs.tokens and len(joined["tokens"]) == 12
+        assert joined["token_logprobs"] == pytest.approx(choice.logprobs.token_logprobs, abs=1e-5)
+        assert joined["text_offset"] == choice.logprobs.text_offset
+        for got, want in zip(joined["top_logprobs"], choice.logprobs.top_logprobs, strict=True):
+            assert got.keys() == want.keys() and list(got.values()) == pytest.approx(list(want.values()), abs=1e-5)
+    chat_kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Say something"}], max_tokens=10,
+                       temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = client.chat.completions.create(**chat_kwargs).choices[0].logprobs.content
+    streamed = [c for c in client.chat.completions.create(stream=True, **chat_kwargs)
+                if c.choices[0].logprobs and c.choices[0].logprobs.content]
+    assert len(streamed) > 1
+    entries = [e for c in streamed for e in c.choices[0].logprobs.content]
+    assert [e.token for e in entries] == [e.token for e in content]
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in content], abs=1e-5)
+    assert [[t.logprob for t in e.top_logprobs] for e in entries] == \
+        [pytest.approx([t.logprob for t in e.top_logprobs], abs=1e-5) for e in content]
 
 
 # ---- many clients, and clients that leave ------------------------------------------------------

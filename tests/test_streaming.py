@@ -94,6 +94,36 @@ def test_step_updates_stream_what_generate_returns(model_paths):
     assert llm.block_manager.num_used_blocks == 0
 
 
+def test_step_updates_carry_each_completions_new_logprobs(model_paths):
+    """n=2 with logprobs: each update holds its completion's new tokens and their logprobs; joined per
+    index they equal what generate returns. A request without logprobs gets None."""
+    llm = LLM(model_paths["gqa_tied"], kvcache_block_size=16)
+    prompt = mixed_prompts(llm.config.hf_config.vocab_size, lengths=(20,), seed=5)[0]
+    params = SamplingParams(n=2, temperature=1.0, seed=8, max_tokens=12, ignore_eos=True, logprobs=3)
+    expected = llm.generate([prompt], params, use_tqdm=False)[0]
+    llm.add_request(prompt, params, request_id="n2")
+    llm.add_request(prompt, GREEDY, request_id="plain")
+    tokens, logprobs, outputs, steps = {0: [], 1: []}, {0: [], 1: []}, {}, 0
+    while not llm.is_finished():
+        steps += 1
+        for update in llm.step_updates():
+            assert update.request_id not in outputs                 # nothing after the request's output
+            if update.output is not None:
+                outputs[update.request_id] = update.output
+            if update.request_id == "plain":
+                assert update.new_logprobs is None
+                continue
+            assert len(update.new_logprobs) == len(update.new_token_ids)
+            tokens[update.index] += update.new_token_ids
+            logprobs[update.index] += update.new_logprobs
+    assert steps > 5 and sorted(outputs) == ["n2", "plain"]
+    for want in expected["outputs"]:
+        assert tokens[want["index"]] == want["token_ids"]
+        for got, exp in zip(logprobs[want["index"]], want["logprobs"], strict=True):
+            assert got.keys() == exp.keys() and all(abs(got[t] - exp[t]) < 1e-5 for t in got)
+    assert [c["token_ids"] for c in outputs["n2"]["outputs"]] == [c["token_ids"] for c in expected["outputs"]]
+
+
 def test_chat_applies_the_template(model_paths, tmp_path):
     llm = LLM(model_paths["gqa_tied"], kvcache_block_size=16)
     conversation = [{"role": "user", "content": "What is the capital of France?"}]

@@ -33,6 +33,7 @@ class RequestUpdate:
     request_id: Hashable
     index: int                    # completion index within the request
     new_token_ids: list[int]      # generated in this step
+    new_logprobs: list[dict[int, float]] | None   # theirs, when the request asked for logprobs
     delta_text: str               # never splits a character, never shows part of a stop string
     text: str                     # everything so far
     token_ids: list[int]          # every generated id so far
@@ -193,8 +194,8 @@ class LLMEngine:
 
     def step_updates(self) -> list[RequestUpdate]:
         """Run one scheduled step; how every sequence that advanced in it did, with text deltas. The
-        update that ends a request carries its output. (Beam searches report only at the end, to
-        beam_search or step.)"""
+        update that ends a request (the last of its completions to finish) carries its output. (Beam
+        searches report only at the end, to beam_search or step.)"""
         advanced = {id(seq): seq for seq in self._run_step()
                     if seq.request_id in self.requests and seq.beam_search is None}
         for request_id in self.finished_outputs:      # also endings an interrupted step left unreported
@@ -209,8 +210,9 @@ class LLMEngine:
             completion = seq.completion_token_ids
             detokenizer.update(completion, find_stop=False, final=seq.is_finished)   # stops: see _collect
             detokenizer.finished_sent = seq.is_finished
+            new_logprobs = None if seq.logprobs is None else seq.logprobs[detokenizer.num_tokens_sent:]
             updates.append(RequestUpdate(
-                seq.request_id, seq.index, detokenizer.new_token_ids(completion),
+                seq.request_id, seq.index, detokenizer.new_token_ids(completion), new_logprobs,
                 detokenizer.delta(final=seq.is_finished), detokenizer.visible_text, completion, seq.is_finished,
                 seq.finish_reason, None))
         for update in reversed(updates):              # the last update of a finished request

@@ -66,7 +66,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
     async def start(request: SamplingFields, prompts: list, max_tokens: int, logprobs: int | None):
         try:
             params = sampling_params(request, max_tokens, logprobs)
-            return await start_choices(llm, prompts, params, request.n)
+            return await start_choices(llm, prompts, params)
         except (ValueError, TypeError) as e:
             raise request_field_error(e)
         except EngineDeadError as e:
@@ -74,16 +74,14 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
         except EngineClosedError as e:
             raise APIError(503, str(e))
 
-    async def respond(http_request: Request, request: SamplingFields, builder: ResponseBuilder, streams,
-                      num_prompts: int):
+    async def respond(http_request: Request, request: SamplingFields, builder: ResponseBuilder, streams):
         """The whole response, or a stream of chunks; a client that goes away aborts its requests."""
-        choices_per_prompt = len(streams) // num_prompts
         if request.stream:
-            chunks = stream_chunks(builder, streams, choices_per_prompt, request.include_usage, metrics)
+            chunks = stream_chunks(builder, streams, request.n, request.include_usage, metrics)
             return ChoicesStreamingResponse(chunks, streams)
-        finals = await unless_disconnected(http_request, collect(streams, metrics))
-        prompt_tokens = sum(len(finals[i]["prompt_token_ids"]) for i in range(0, len(finals), choices_per_prompt))
-        return JSONResponse(builder.response(finals, prompt_tokens))
+        finals = await unless_disconnected(http_request, collect(streams, request.n, metrics))
+        prompt_tokens = sum(len(final["prompt_token_ids"]) for final in finals)
+        return JSONResponse(builder.response([c for final in finals for c in final["outputs"]], prompt_tokens))
 
     @app.get("/health")
     async def health() -> Response:
@@ -107,7 +105,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
         max_tokens = 16 if request.max_tokens is None else request.max_tokens      # OpenAI's default
         streams = await start(request, prompts, max_tokens, request.logprobs)
         builder = ResponseBuilder(False, served_model_name, llm.tokenizer, request.logprobs)
-        return await respond(http_request, request, builder, streams, len(prompts))
+        return await respond(http_request, request, builder, streams)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, http_request: Request):
@@ -121,7 +119,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
             max_tokens = max(1, llm.config.max_model_len - len(prompt))
         streams = await start(request, [prompt], max_tokens, request.num_logprobs)
         builder = ResponseBuilder(True, served_model_name, llm.tokenizer, request.num_logprobs)
-        return await respond(http_request, request, builder, streams, 1)
+        return await respond(http_request, request, builder, streams)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -130,12 +128,13 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
     return app
 
 
-async def collect(streams, metrics: ServerMetrics) -> list[dict]:
+async def collect(streams, n: int, metrics: ServerMetrics) -> list[dict]:
+    """The final output of each prompt's request, in prompt order."""
     finals: list[dict | None] = [None] * len(streams)
     try:
-        async for index, out in merge_choices(streams, metrics.observe_finished):
+        async for index, out in merge_choices(streams, n, metrics.observe_finished):
             if out["finished"]:
-                finals[index] = out
+                finals[index // n] = out
     except EngineDeadError as e:
         raise APIError(500, str(e))
     except EngineClosedError as e:
@@ -145,42 +144,31 @@ async def collect(streams, metrics: ServerMetrics) -> list[dict]:
     return finals
 
 
-async def stream_chunks(builder: ResponseBuilder, streams, choices_per_prompt: int, include_usage: bool,
+async def stream_chunks(builder: ResponseBuilder, streams, n: int, include_usage: bool,
                         metrics: ServerMetrics) -> AsyncIterator[str]:
+    """Each choice's new text with its tokens' logprobs, a finish_reason as each choice ends."""
     prompt_tokens = completion_tokens = 0
     try:
         if builder.chat:
-            for index in range(len(streams)):
+            for index in range(len(streams) * n):
                 yield sse(builder.role_chunk(index))
-        sent_logprobs = [0] * len(streams)
-        async for index, out in merge_choices(streams, metrics.observe_finished):
+        async for index, out in merge_choices(streams, n, metrics.observe_finished):
             if out["finish_reason"] == "abort":
                 yield sse(error_body(503, "the request was aborted"))
                 break
-            token_ids, logprobs = new_logprobs(out, sent_logprobs, index) if builder.num_top_logprobs is not None \
-                else ([], None)
-            if out["delta_text"] or out["finished"] or logprobs:
-                yield sse(builder.delta_chunk(index, out, token_ids, logprobs))
-            if out["finished"]:
+            logprobs = out["delta_logprobs"] if out["delta_token_ids"] else None
+            if out["delta_text"] or out["finish_reason"] or logprobs:
+                yield sse(builder.delta_chunk(index, out, out["delta_token_ids"], logprobs))
+            if out["finish_reason"]:
                 completion_tokens += len(out["token_ids"])
-                if index % choices_per_prompt == 0:
-                    prompt_tokens += len(out["prompt_token_ids"])
+            if out["finished"]:
+                prompt_tokens += len(out["prompt_token_ids"])
         else:
             if include_usage:
                 yield sse(builder.usage_chunk(prompt_tokens, completion_tokens))
     except (EngineDeadError, EngineClosedError) as e:
         yield sse(error_body(500 if isinstance(e, EngineDeadError) else 503, str(e)))
     yield sse("[DONE]")
-
-
-def new_logprobs(out: dict, sent: list[int], index: int) -> tuple[list[int], list[dict] | None]:
-    """The tokens (and their logprobs) of this choice whose logprobs are not sent yet. Outputs
-    carry cumulative logprobs, possibly only on the last one."""
-    logprobs = out.get("logprobs")
-    if not logprobs or len(logprobs) <= sent[index]:
-        return [], None
-    start, sent[index] = sent[index], len(logprobs)
-    return out["token_ids"][start:len(logprobs)], logprobs[start:]
 
 
 async def unless_disconnected(request: Request, work):

@@ -1,21 +1,19 @@
-"""The engine requests behind one API request: started together, read as one stream.
+"""The engine requests behind one API request: one per prompt, each with the request's n
+completions (SamplingParams.n), started together and read as one stream.
 
-Choice i of the response is the i-th engine request (prompt-major, then the n choices of each
-prompt), as OpenAI numbers them.
+Choice prompt_index * n + completion_index of the response is that completion, as OpenAI numbers
+them (prompt-major).
 """
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from nanovllm.async_llm import AsyncLLM, RequestStream
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.serve.sampling import params_per_choice
 
 
-async def start_choices(llm: AsyncLLM, prompts: list, params: SamplingParams, n: int) -> list[RequestStream]:
-    """Add every choice's request at once; if any is refused, abort the others and raise its error."""
-    requests = [llm.add_request(prompt, choice_params) for prompt in prompts
-                for choice_params in params_per_choice(params, n)]
-    started = await asyncio.gather(*requests, return_exceptions=True)
+async def start_choices(llm: AsyncLLM, prompts: list, params: SamplingParams) -> list[RequestStream]:
+    """Add every prompt's request at once; if any is refused, abort the others and raise its error."""
+    started = await asyncio.gather(*(llm.add_request(prompt, params) for prompt in prompts), return_exceptions=True)
     streams = [s for s in started if isinstance(s, RequestStream)]
     errors = [e for e in started if isinstance(e, BaseException)]
     if errors:
@@ -25,22 +23,22 @@ async def start_choices(llm: AsyncLLM, prompts: list, params: SamplingParams, n:
     return streams
 
 
-async def merge_choices(streams: list[RequestStream],
+async def merge_choices(streams: list[RequestStream], n: int,
                         on_finished: Callable[[dict], None]) -> AsyncIterator[tuple[int, dict]]:
-    """(choice index, output) in arrival order over all choices. Leaving early, or an error in
-    one choice, aborts every choice still running."""
+    """(choice index, output) in arrival order over all prompts' requests. Leaving early, or an
+    error in one request, aborts every request still running."""
     merged: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, stream: RequestStream) -> None:
+    async def pump(prompt_index: int, stream: RequestStream) -> None:
         try:
             with stream:
                 async for out in stream:
                     if out["finished"] and out["finish_reason"] != "abort":
                         on_finished(out)
-                    merged.put_nowait((index, out))
+                    merged.put_nowait((prompt_index * n + out["index"], out))
         except Exception as e:
-            merged.put_nowait((index, e))
-        merged.put_nowait((index, None))
+            merged.put_nowait((prompt_index, e))
+        merged.put_nowait((prompt_index, None))
 
     tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
     try:

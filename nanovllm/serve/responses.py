@@ -57,11 +57,12 @@ class ResponseBuilder:
                             "finish_reason": None})
 
     def delta_chunk(self, index: int, out: dict, token_ids: list[int], logprobs: list[dict] | None) -> dict:
-        """This output's new text; the logprobs are those of token_ids (tokens not reported yet)."""
-        finish_reason = out["finish_reason"] if out["finished"] else None
+        """This output's new text; the logprobs are those of token_ids (its new tokens). The choice's
+        finish_reason comes with the output that ends it."""
+        finish_reason = out["finish_reason"]
         logprobs = self.logprobs(index, token_ids, logprobs)
         if self.chat:
-            delta = {"content": out["delta_text"]} if out["delta_text"] or not out["finished"] else {}
+            delta = {"content": out["delta_text"]} if out["delta_text"] or finish_reason is None else {}
             return self._chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
         return self._chunk({"index": index, "text": out["delta_text"], "logprobs": logprobs,
                             "finish_reason": finish_reason})
