@@ -7,7 +7,8 @@
    the host share is the time the engine spent recording candidates, choosing beams and forking
    them (LLMEngine._propose_beams) over the wall time.
 2. n = 4 samples per prompt (one request, the prompt prefilled once, its blocks shared) against 4
-   separate requests per prompt (the same seeds), the same 64 prompts, in the same engine.
+   separate requests per prompt (the same seeds), the same 64 prompts, in the same engine; with
+   the host time between scheduling calls summed by the kind of step scheduled.
 """
 import argparse
 import time
@@ -53,22 +54,43 @@ def main():
           f"{wall:.2f} s, {tokens / wall:,.0f} beam tok/s; choosing beams on the host {host['seconds']:.2f} s "
           f"({100 * host['seconds'] / wall:.1f}%) in {host['calls']} steps")
 
+    schedule = llm.scheduler.schedule
+    steps = []
+
+    def recorded_schedule():
+        batch = schedule()
+        steps.append((time.perf_counter(), batch.is_prefill, len(batch.seqs), len(batch.block_copies)))
+        return batch
+
+    def step_summary() -> str:
+        kinds = {}
+        for (t0, prefill, num_seqs, copies), (t1, *_) in zip(steps, steps[1:]):
+            kind = "prefill" if prefill else "decode" if num_seqs else "empty"
+            count, seconds, total_copies = kinds.get(kind, (0, 0.0, 0))
+            kinds[kind] = (count + 1, seconds + t1 - t0, total_copies + copies)
+        steps.clear()
+        return "; ".join(f"{kind} {count} steps {seconds:.2f} s ({copies} block copies)"
+                         for kind, (count, seconds, copies) in kinds.items())
+
+    llm.scheduler.schedule = recorded_schedule
     for run in (1, 2):
         one = [SamplingParams(n=args.n, temperature=0.6, seed=i, ignore_eos=True, max_tokens=args.sample_tokens)
                for i in range(len(prompts))]
         start = time.perf_counter()
         outputs = llm.generate(prompts, one, use_tqdm=False)
         wall_n = time.perf_counter() - start
+        steps_n = step_summary()
         total = sum(len(c["token_ids"]) for o in outputs for c in o["outputs"])
         separate = [SamplingParams(temperature=0.6, seed=i * args.n + j, ignore_eos=True, max_tokens=args.sample_tokens)
                     for i in range(len(prompts)) for j in range(args.n)]
         start = time.perf_counter()
         outputs = llm.generate([p for p in prompts for _ in range(args.n)], separate, use_tqdm=False)
         wall_separate = time.perf_counter() - start
+        steps_separate = step_summary()
         assert total == sum(len(o["token_ids"]) for o in outputs)
         print(f"run {run}: n={args.n} in one request: {wall_n:.2f} s = {total / wall_n:,.0f} tok/s; "
               f"{args.n} separate requests: {wall_separate:.2f} s = {total / wall_separate:,.0f} tok/s "
-              f"({wall_separate / wall_n:.2f}x the time)")
+              f"({wall_separate / wall_n:.2f}x the time)\n  n={args.n}: {steps_n}\n  separate: {steps_separate}")
 
 
 if __name__ == "__main__":
