@@ -116,7 +116,10 @@ class Scheduler:
         child = seq.fork(len(seq.group))
         if seq.status == SequenceStatus.RUNNING:
             self.block_manager.fork(seq)
-            self.running.append(child)
+            # beside seq: siblings read the same prompt blocks, so running them side by side in a
+            # decode step lets all but the first find those blocks in the GPU's L2 cache
+            at = next(i for i, s in enumerate(self.running) if s is seq)
+            self.running.insert(at + 1, child)
         else:                                          # preempted: both recompute from scratch
             self.waiting.append(child)
         return child
