@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from nanovllm.config import Config
 from nanovllm.engine.beam_search import BeamSearch
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, decode_many
 from nanovllm.worker.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
@@ -202,13 +202,17 @@ class LLMEngine:
             for seq in self.requests[request_id].group:
                 if self.requests[request_id].beam_search is None:
                     advanced.setdefault(id(seq), seq)
-        updates = []
+        reporting = []
         for seq in advanced.values():
             detokenizer = self._detokenizer(seq)
-            if detokenizer.finished_sent:
-                continue
-            completion = seq.completion_token_ids
-            detokenizer.update(completion, find_stop=False, final=seq.is_finished)   # stops: see _collect
+            if not detokenizer.finished_sent:
+                completion = seq.completion_token_ids
+                reporting.append((seq, detokenizer, completion, detokenizer.pending(completion)))
+        texts = iter(decode_many(self.tokenizer, [ids for *_, pending in reporting for ids in pending]))
+        updates = []
+        for seq, detokenizer, completion, pending in reporting:
+            detokenizer.update(completion, find_stop=False, final=seq.is_finished,   # stops: see _collect
+                               decoded=[next(texts) for _ in pending])
             detokenizer.finished_sent = seq.is_finished
             new_logprobs = None if seq.logprobs is None else seq.logprobs[detokenizer.num_tokens_sent:]
             updates.append(RequestUpdate(

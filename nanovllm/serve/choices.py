@@ -27,6 +27,13 @@ async def merge_choices(streams: list[RequestStream], n: int,
                         on_finished: Callable[[dict], None]) -> AsyncIterator[tuple[int, dict]]:
     """(choice index, output) in arrival order over all prompts' requests. Leaving early, or an
     error in one request, aborts every request still running."""
+    if len(streams) == 1:               # the common case, read directly: no task and queue per output
+        with streams[0] as stream:
+            async for out in stream:
+                if out["finished"] and out["finish_reason"] != "abort":
+                    on_finished(out)
+                yield out["index"], out
+        return
     merged: asyncio.Queue = asyncio.Queue()
 
     async def pump(prompt_index: int, stream: RequestStream) -> None:

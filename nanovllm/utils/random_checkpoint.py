@@ -184,13 +184,24 @@ def cached_random_checkpoint(config_file: str) -> str:
     return path
 
 
+def write_word_tokenizer(path: str, vocab_size: int):
+    """A tokenizer in which every id is a word ("w0" ... ), so that any generated id shows as text,
+    as nearly every id of a real vocabulary does: streamed benchmarks then send a chunk per token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(path)
+
+
 def cached_shape(config_file: str) -> str:
     """config.json (bfloat16) and a tokenizer of the shape in config_file, without weights: a model
     directory for `load_format="dummy"`, which draws the weights on the device instead of reading them."""
     path = _cache_dir(config_file, "nanovllm-shape-")
     if not os.path.isfile(os.path.join(path, "complete")):
-        write_demo_tokenizer(path)
         config = _read_config(config_file)
+        write_word_tokenizer(path, config.vocab_size)
         config.dtype = torch.bfloat16
         config.save_pretrained(path)
         open(os.path.join(path, "complete"), "w").close()
