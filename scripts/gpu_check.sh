@@ -96,21 +96,27 @@ if [ "$stage" = fp8 ]; then
   python scripts/bench_floor.py configs/qwen3-0.6b.json --kv-bytes 1 2>&1 | grep floor
 fi
 if [ "$stage" = serving ]; then
-  # bench.py offline, then the same requests through the HTTP server at rising rates to saturation
+  # bench.py offline, then the same requests through the HTTP server: here at RATES (default 16, 64 and
+  # at once), and at once in each older checkout of BASE (the same model directory for all)
   python bench.py --config configs/qwen3-0.6b.json 2>&1 | grep Throughput | sed "s|^|offline: |"
   model=$(python -c "from nanovllm.utils.random_checkpoint import cached_shape; print(cached_shape('configs/qwen3-0.6b.json'))")
-  python -m nanovllm.serve "$model" --load-format dummy --port 8123 --max-model-len 4096 --log-level warning \
-    > "$LOGS/server.log" 2>&1 &
-  server=$!
-  for i in $(seq 180); do
-    python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8123/health')" 2>/dev/null && break
-    sleep 1
-  done
-  for rate in 16 64 inf; do
-    python bench_serving.py --port 8123 --request-rate $rate --save-result "$LOGS/serving_$rate.json" 2>&1 \
-      | tee -a "$LOGS/serving.log" | sed "s|^|rate $rate: |"
-  done
-  kill -TERM $server; wait $server; echo "server exit code $?"
+  serve_bench() {   # TREE LABEL RATE...
+    local tree=$1 label=$2; shift 2
+    (cd "$tree" && exec python -m nanovllm.serve "$model" --load-format dummy --port 8123 --max-model-len 4096 \
+      --log-level warning) > "$LOGS/server_$label.log" 2>&1 &
+    local server=$!
+    for i in $(seq 180); do
+      python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8123/health')" 2>/dev/null && break
+      sleep 1
+    done
+    for rate in "$@"; do
+      python bench_serving.py --port 8123 --request-rate $rate --save-result "$LOGS/serving_${label}_$rate.json" 2>&1 \
+        | tee -a "$LOGS/serving.log" | sed "s|^|$label rate $rate: |"
+    done
+    kill -TERM $server; wait $server; echo "$label server exit code $?"
+  }
+  for tree in ${BASE:-}; do serve_bench "$tree" "$(basename "$tree")" inf; done
+  serve_bench . here ${RATES:-16 64 inf}
 fi
 if [ "$stage" = sampling ]; then
   python scripts/bench_parallel_sampling.py --config configs/qwen3-0.6b.json 2>&1 | tee "$LOGS/sampling.log" | grep -v Loading
