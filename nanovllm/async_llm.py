@@ -5,6 +5,12 @@ it runs the step loop and applies the adds and aborts that callers hand it throu
 request's outputs go back to its caller's event loop through an asyncio queue, one
 `call_soon_threadsafe` per event loop per step. With no work, the thread blocks on its queue.
 
+The engine thread and the callers' event loops share one interpreter lock, so every output a
+caller handles (a server writes it as a chunk) delays the next step. With more than
+STREAMS_PER_STEP live requests, a request hears from the engine every few steps instead of every
+step (its outputs joined; its first output and its endings are never held back): about
+STREAMS_PER_STEP outputs per step however many requests run.
+
     llm = AsyncLLM(path)
     async for out in llm.generate("introduce yourself", SamplingParams(max_tokens=64)):
         print(out["delta_text"], end="")
@@ -41,6 +47,8 @@ class _Delivery:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     last: dict | None = None           # the last output sent, to end an aborted stream with
+    held: dict[int, dict] = field(default_factory=dict)   # per completion index, joined, not sent yet
+    sent_at_step: int = 0
 
 
 @dataclass
@@ -57,6 +65,7 @@ class _Abort:
     done: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None   # set to "was it live"
 
 
+STREAMS_PER_STEP = 32
 _END_ALL = object()      # abort every live request; after shutdown() also stop the thread
 _ACCEPTED = object()    # first item of a delivery queue: the engine took the request
 
@@ -125,6 +134,7 @@ class AsyncLLM:
         self._closed = False
         self._stats: dict = {}
         self._live: dict[Hashable, _Delivery] = {}   # engine thread only
+        self._num_steps = 0                            # engine thread only
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(model, engine_args, ready),
                                         name="nanovllm-engine", daemon=True)
@@ -282,16 +292,20 @@ class AsyncLLM:
         was_live = self.engine.abort(command.request_id)
         delivery = self._live.pop(command.request_id, None)
         if delivery is not None:
-            last = delivery.last or {"index": 0, "text": "", "token_ids": []}
-            self._deliver([(delivery, {"request_id": command.request_id, "index": last["index"], "delta_text": "",
-                                       "delta_token_ids": [], "delta_logprobs": None, "text": last["text"],
-                                       "token_ids": last["token_ids"], "finished": True,
-                                       "finish_reason": "abort"})])
+            held = list(delivery.held.values())
+            last = (held or [delivery.last])[-1] or {"index": 0, "text": "", "token_ids": []}
+            aborted = {"request_id": command.request_id, "index": last["index"], "delta_text": "",
+                       "delta_token_ids": [], "delta_logprobs": None, "text": last["text"],
+                       "token_ids": last["token_ids"], "finished": True, "finish_reason": "abort"}
+            self._deliver([(delivery, out) for out in held + [aborted]])
         if command.done is not None:
             loop, future = command.done
             loop.call_soon_threadsafe(_set_result, future, was_live)
 
     def _dispatch(self, updates: list) -> None:
+        self._num_steps += 1
+        interval = -(-len(self._live) // STREAMS_PER_STEP)
+        due: dict[int, bool] = {}                       # per delivery: does it hear from this step
         items = []
         for update in updates:
             delivery = self._live.get(update.request_id)
@@ -306,8 +320,17 @@ class AsyncLLM:
             if finished:          # the top-level fields are those of this output's completion
                 out["logprobs"] = update.output["outputs"][update.index]["logprobs"]
                 del self._live[update.request_id]
-            delivery.last = out
-            items.append((delivery, out))
+            before = delivery.held.pop(update.index, None)
+            if before is not None:
+                out = _joined(before, out)
+            if id(delivery) not in due:
+                due[id(delivery)] = delivery.last is None or self._num_steps - delivery.sent_at_step >= interval
+            if not (due[id(delivery)] or update.finish_reason):
+                delivery.held[update.index] = out
+                continue
+            items += [(delivery, held) for held in delivery.held.values()] + [(delivery, out)]
+            delivery.held.clear()
+            delivery.last, delivery.sent_at_step = out, self._num_steps
         self._deliver(items)
 
     def _end_all(self, error: BaseException) -> None:

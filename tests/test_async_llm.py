@@ -108,6 +108,30 @@ def test_a_slow_reader_gets_joined_deltas(llm, offline):
     assert len(outs) < 30 and any(len(o["delta_token_ids"]) > 1 for o in outs)
 
 
+def test_many_streams_hear_every_few_steps(llm, offline, monkeypatch):
+    """With more live requests than STREAMS_PER_STEP, each hears from the engine every
+    ceil(live / STREAMS_PER_STEP) steps: fewer, joined outputs, equal to offline all the same; the
+    first output is never held back, and a request alone hears every step."""
+    import nanovllm.async_llm
+    monkeypatch.setattr(nanovllm.async_llm, "STREAMS_PER_STEP", 2)
+    vocab = offline.config.hf_config.vocab_size
+    prompts = mixed_prompts(vocab, lengths=(5, 9, 13, 7, 11, 6))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = offline.generate(prompts, params, use_tqdm=False)
+
+    async def main():
+        return await asyncio.gather(*(stream_all(llm, p, params) for p in prompts))
+
+    streamed = run(main())
+    for outs, exp in zip(streamed, expected):
+        check_stream_matches(outs, exp)
+        assert len(outs[0]["delta_token_ids"]) == 1                 # the first token came alone
+        assert len(outs) <= 40 // 2 + 2                             # every 2 or 3 steps after it
+    alone = run(stream_all(llm, prompts[0], params))
+    check_stream_matches(alone, expected[0])
+    assert len(alone) > 40 // 2 + 2                            # not held back (a slow reader may still join)
+
+
 def test_stop_string_never_appears_in_deltas(llm, offline):
     prompt = "The capital of France"
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
