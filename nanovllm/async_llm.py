@@ -5,11 +5,11 @@ it runs the step loop and applies the adds and aborts that callers hand it throu
 request's outputs go back to its caller's event loop through an asyncio queue, one
 `call_soon_threadsafe` per event loop per step. With no work, the thread blocks on its queue.
 
-The engine thread and the callers' event loops share one interpreter lock, so every output a
-caller handles (a server writes it as a chunk) delays the next step. With more than
-STREAMS_PER_STEP live requests, a request hears from the engine every few steps instead of every
-step (its outputs joined; its first output and its endings are never held back): about
-STREAMS_PER_STEP outputs per step however many requests run.
+The engine thread and the callers' event loops share one interpreter lock, so every output (a
+server writes each as a chunk) delays the next step. With more than STREAMS_PER_STEP live
+requests, a request hears from the engine every few steps instead of every step, with all its new
+tokens (its first output and its endings are never held back): about STREAMS_PER_STEP outputs per
+step however many requests run, and the engine detokenizes only for those.
 
     llm = AsyncLLM(path)
     async for out in llm.generate("introduce yourself", SamplingParams(max_tokens=64)):
@@ -47,8 +47,7 @@ class _Delivery:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     last: dict | None = None           # the last output sent, to end an aborted stream with
-    held: dict[int, dict] = field(default_factory=dict)   # per completion index, joined, not sent yet
-    sent_at_step: int = 0
+    sent_at_step: int = 0              # the engine step it last heard from
 
 
 @dataclass
@@ -268,7 +267,8 @@ class AsyncLLM:
                 else:
                     self._apply(command)
             if not engine.is_finished():
-                self._dispatch(engine.step_updates())
+                self._num_steps += 1
+                self._dispatch(engine.step_updates(self._due))
             self._stats = engine.stats()
 
     def _drain(self, block: bool) -> list:
@@ -292,20 +292,22 @@ class AsyncLLM:
         was_live = self.engine.abort(command.request_id)
         delivery = self._live.pop(command.request_id, None)
         if delivery is not None:
-            held = list(delivery.held.values())
-            last = (held or [delivery.last])[-1] or {"index": 0, "text": "", "token_ids": []}
-            aborted = {"request_id": command.request_id, "index": last["index"], "delta_text": "",
-                       "delta_token_ids": [], "delta_logprobs": None, "text": last["text"],
-                       "token_ids": last["token_ids"], "finished": True, "finish_reason": "abort"}
-            self._deliver([(delivery, out) for out in held + [aborted]])
+            last = delivery.last or {"index": 0, "text": "", "token_ids": []}
+            self._deliver([(delivery, {"request_id": command.request_id, "index": last["index"], "delta_text": "",
+                                       "delta_token_ids": [], "delta_logprobs": None, "text": last["text"],
+                                       "token_ids": last["token_ids"], "finished": True,
+                                       "finish_reason": "abort"})])
         if command.done is not None:
             loop, future = command.done
             loop.call_soon_threadsafe(_set_result, future, was_live)
 
-    def _dispatch(self, updates: list) -> None:
-        self._num_steps += 1
+    def _due(self, request_id: Hashable) -> bool:
+        """Does this request hear from this step (see the top of this file)?"""
+        delivery = self._live.get(request_id)
         interval = -(-len(self._live) // STREAMS_PER_STEP)
-        due: dict[int, bool] = {}                       # per delivery: does it hear from this step
+        return delivery is None or delivery.last is None or self._num_steps - delivery.sent_at_step >= interval
+
+    def _dispatch(self, updates: list) -> None:
         items = []
         for update in updates:
             delivery = self._live.get(update.request_id)
@@ -320,17 +322,8 @@ class AsyncLLM:
             if finished:          # the top-level fields are those of this output's completion
                 out["logprobs"] = update.output["outputs"][update.index]["logprobs"]
                 del self._live[update.request_id]
-            before = delivery.held.pop(update.index, None)
-            if before is not None:
-                out = _joined(before, out)
-            if id(delivery) not in due:
-                due[id(delivery)] = delivery.last is None or self._num_steps - delivery.sent_at_step >= interval
-            if not (due[id(delivery)] or update.finish_reason):
-                delivery.held[update.index] = out
-                continue
-            items += [(delivery, held) for held in delivery.held.values()] + [(delivery, out)]
-            delivery.held.clear()
             delivery.last, delivery.sent_at_step = out, self._num_steps
+            items.append((delivery, out))
         self._deliver(items)
 
     def _end_all(self, error: BaseException) -> None:

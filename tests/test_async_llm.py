@@ -271,11 +271,11 @@ def test_engine_thread_error_reaches_every_caller(path):
     step_updates = llm.engine.step_updates
     calls = []
 
-    def failing_step_updates():
+    def failing_step_updates(*args):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("device fell over")
-        return step_updates()
+        return step_updates(*args)
 
     llm.engine.step_updates = failing_step_updates    # set while the thread idles, before any request
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
@@ -301,9 +301,9 @@ def test_thread_idles_without_work(llm):
     calls = []
     step_updates = llm.engine.step_updates
 
-    def counted():
+    def counted(*args):
         calls.append(1)
-        return step_updates()
+        return step_updates(*args)
 
     llm.engine.step_updates = counted
     try:

@@ -321,8 +321,8 @@ def test_an_n_request_holds_its_prompt_once(path, offline):
     llm = AsyncLLM(path, **{**ENGINE_ARGS, "enable_prefix_caching": False})
     step_updates, used = llm.engine.step_updates, []
 
-    def measured_step_updates():
-        updates = step_updates()
+    def measured_step_updates(*args):
+        updates = step_updates(*args)
         used.append(llm.engine.block_manager.num_used_blocks)
         return updates
 
@@ -605,11 +605,11 @@ def test_engine_failure_reaches_clients_and_health(path):
     llm = AsyncLLM(path, **ENGINE_ARGS)
     step_updates, calls = llm.engine.step_updates, []
 
-    def failing_step_updates():
+    def failing_step_updates(*args):
         calls.append(1)
         if len(calls) == 4:
             raise RuntimeError("device fell over")
-        return step_updates()
+        return step_updates(*args)
 
     llm.engine.step_updates = failing_step_updates
 

@@ -62,7 +62,10 @@ def test_text_that_could_become_a_stop_string_is_held_back(tokenizer):
     assert detokenizer.delta(final=True) == "ST"  # the request ended: nothing can follow
 
 
-def test_step_updates_stream_what_generate_returns(model_paths):
+@pytest.mark.parametrize("only_r1_due", [False, True])
+def test_step_updates_stream_what_generate_returns(model_paths, only_r1_due):
+    """With `due` saying no to r0 and r2, they report once, at their end, with every token."""
+    due = (lambda request_id: request_id == "r1") if only_r1_due else None
     llm = LLM(model_paths["gqa_tied"], kvcache_block_size=16)
     prompts = mixed_prompts(llm.config.hf_config.vocab_size, lengths=(12, 30, 5))
     expected = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -72,8 +75,10 @@ def test_step_updates_stream_what_generate_returns(model_paths):
     params = [GREEDY, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]), GREEDY]
     ids = [llm.add_request(p, sp, request_id=f"r{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
     texts, tokens, finals = {i: "" for i in ids}, {i: [] for i in ids}, {}
+    num_updates = {i: 0 for i in ids}
     while not llm.is_finished():
-        for update in llm.step_updates():
+        for update in llm.step_updates(due):
+            num_updates[update.request_id] += 1
             assert update.request_id not in finals
             texts[update.request_id] += update.delta_text
             tokens[update.request_id] += update.new_token_ids
@@ -83,6 +88,7 @@ def test_step_updates_stream_what_generate_returns(model_paths):
                 finals[update.request_id] = update
                 assert update.output["request_id"] == update.request_id
     assert sorted(finals) == ids
+    assert num_updates["r1"] > 1 and (num_updates["r0"] == num_updates["r2"] == 1) == only_r1_due
     for i in (0, 2):
         out = finals[ids[i]].output
         assert tokens[ids[i]] == out["token_ids"] == expected[i]["token_ids"]

@@ -8,7 +8,7 @@ requests; those of other callers carry on. A finished request's output waits in 
 until a call returns it, so none is lost and none is returned twice.
 """
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from tqdm.auto import tqdm
@@ -192,10 +192,11 @@ class LLMEngine:
         self._run_step()
         return [self._take_output(request_id) for request_id in list(self.finished_outputs)]
 
-    def step_updates(self) -> list[RequestUpdate]:
+    def step_updates(self, due: Callable[[Hashable], bool] | None = None) -> list[RequestUpdate]:
         """Run one scheduled step; how every sequence that advanced in it did, with text deltas. The
         update that ends a request (the last of its completions to finish) carries its output. (Beam
-        searches report only at the end, to beam_search or step.)"""
+        searches report only at the end, to beam_search or step.) With `due`, a request for which
+        it is False reports only a completion's end; its other tokens come with a later update."""
         advanced = {id(seq): seq for seq in self._run_step()
                     if seq.request_id in self.requests and seq.beam_search is None}
         for request_id in self.finished_outputs:      # also endings an interrupted step left unreported
@@ -205,7 +206,7 @@ class LLMEngine:
         reporting = []
         for seq in advanced.values():
             detokenizer = self._detokenizer(seq)
-            if not detokenizer.finished_sent:
+            if not detokenizer.finished_sent and (due is None or seq.is_finished or due(seq.request_id)):
                 completion = seq.completion_token_ids
                 reporting.append((seq, detokenizer, completion, detokenizer.pending(completion)))
         texts = iter(decode_many(self.tokenizer, [ids for *_, pending in reporting for ids in pending]))
