@@ -14,7 +14,7 @@ import torch
 from triton.testing import do_bench
 
 from nanovllm.kernels.fp8 import FP8_DTYPE, dequantize_fp8, kv_scale_from_absmax, quantize_fp8
-from nanovllm.kernels.paged_attention import (decode_num_splits, decode_tile, paged_attention_ref,
+from nanovllm.kernels.paged_attention import (DECODE_TILE, decode_num_splits, paged_attention_ref,
                                               paged_decode_attention, paged_prefill_attention)
 from nanovllm.kernels.rotary_embedding import KVStore, apply_rotary, apply_rotary_ref
 from nanovllm.layers.rotary import RotaryEmbedding
@@ -132,7 +132,7 @@ def main() -> None:
             splits = decode_num_splits(batch, KV_HEADS, sms, dtype)
             ms, gbs = time_decode(c, fp8, splits)
             base = base or ms
-            print(f"| {batch} | {'fp8' if fp8 else 'bf16'} | {decode_tile(dtype)} | {splits} | {ms * 1e3:.1f} us | "
+            print(f"| {batch} | {'fp8' if fp8 else 'bf16'} | {DECODE_TILE} | {splits} | {ms * 1e3:.1f} us | "
                   f"{gbs:,.0f} GB/s | {base / ms:.2f}x |")
 
     if "--no-sweep" not in sys.argv:

@@ -19,7 +19,7 @@ import torch
 
 from nanovllm.kernels.fp8 import (FP8_DTYPE, SCALE_FLOOR, check_kv_scales, dequantize_fp8, kv_scale_from_absmax,
                                   quantize_fp8)
-from nanovllm.kernels.paged_attention import (decode_num_splits, decode_tile, paged_attention_ref,
+from nanovllm.kernels.paged_attention import (decode_num_splits, paged_attention_ref,
                                               paged_decode_attention, paged_prefill_attention)
 from nanovllm.kernels.rotary_embedding import KVStore, apply_rotary, apply_rotary_ref, store_kvcache_ref
 from nanovllm.kernels.triton_compat import HAS_TRITON, tl, triton
@@ -289,9 +289,7 @@ def test_paged_decode_attention_over_fp8_cache(block_size, head_dim, num_kv_head
         assert relative_error(out[i:i + 1], dense_attention(q[i:i + 1], k_float, v_float, scale)) < 0.1
 
 
-def test_decode_defaults_for_fp8_ask_for_more_programs_and_wider_tiles():
-    assert decode_tile(torch.bfloat16) == decode_tile(torch.float16) == (128, 4, 2)   # the 16-bit kernel as tuned
-    assert decode_tile(FP8_DTYPE)[0] == 256
+def test_decode_splits_for_fp8_ask_for_more_programs():
     assert decode_num_splits(64, 8, 132) == 2 and decode_num_splits(64, 8, 132, torch.bfloat16) == 2
     assert decode_num_splits(64, 8, 132, FP8_DTYPE) == 3          # ceil(8 * 132 / 512)
     assert decode_num_splits(256, 8, 132, FP8_DTYPE) == 1

@@ -162,8 +162,8 @@ def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_out_seq, 
 
 
 # Programs per SM that decode_num_splits aims for. float8 programs read half the bytes per token,
-# so more of them keep as many bytes in flight: a first guess, for scripts/fp8_kernel_check.py to sweep.
-FP8_DECODE_PROGRAMS_PER_SM = 8   # one byte per element keeps fewer bytes in flight per program
+# so more of them keep as many bytes in flight (the H100 sweep: 3 splits best at batch 64).
+FP8_DECODE_PROGRAMS_PER_SM = 8
 DECODE_PROGRAMS_PER_SM = 4
 
 
@@ -176,14 +176,9 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int,
     return max(1, min(16, -(-per_sm * num_sms // (num_seqs * num_kv_heads))))
 
 
-def decode_tile(cache_dtype: torch.dtype) -> tuple[int, int, int]:
-    """(tokens per tile, warps, pipeline stages) of the decode kernel. 16-bit: 128, 4, 2, the best
-    of the H100 sweep (docs/benchmarks.md). float8: 256-token tiles move as many bytes per load as
-    the 16-bit tile, with 8 warps for the registers the converted tile takes; not yet measured
-    (scripts/fp8_kernel_check.py sweeps it)."""
-    if cache_dtype == FP8_DTYPE:
-        return 256, 8, 2
-    return 128, 4, 2
+# (tokens per tile, warps, pipeline stages) of the decode kernel: the best of the H100 sweeps for a
+# 16-bit cache and, at batch 64 and 256, for a float8 one too (docs/benchmarks.md).
+DECODE_TILE = (128, 4, 2)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -193,15 +188,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim], one new token per sequence (already in the cache).
     A float8 cache needs k_scale and v_scale (float32, 1 or num_kv_heads values; see fp8.py).
-    tile_tokens, num_warps, num_stages (by default decode_tile(k_cache.dtype)) and the program
+    tile_tokens, num_warps, num_stages (by default DECODE_TILE) and the program
     order are tuning knobs (scripts/tune_decode_attention.py sweeps them)."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     scales, kv_constexprs = _kv_launch_args(q, k_cache, v_cache, k_scale, v_scale)
-    default_tile = decode_tile(k_cache.dtype)
     tile_tokens, num_warps, num_stages = (given if given is not None else default for given, default in
-                                          zip((tile_tokens, num_warps, num_stages), default_tile))
+                                          zip((tile_tokens, num_warps, num_stages), DECODE_TILE))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
