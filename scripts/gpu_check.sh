@@ -12,6 +12,7 @@
 #                                                  # the other families' shapes with their floors (~9 min)
 #   bash scripts/gpu_check.sh cuda-tests          # the engine's CPU tests again on CUDA (graphs on) (~9 min)
 #   bash scripts/gpu_check.sh fp8                 # FP8 kernel checks and timings, bench.py auto vs fp8 (~6 min)
+#   BASE=DIR bash scripts/gpu_check.sh speed      # bench.py 0.6B bf16 and fp8, 8B, here and in DIR alternating (~7 min)
 #   bash scripts/gpu_check.sh sampling            # beam width 4 and n = 4 against separate requests (~2 min)
 #   bash scripts/gpu_check.sh moe                 # Qwen3-30B-A3B shape: floor, bench.py, MoE share of the step,
 #                                                 # kernel tiles at each batch (one H200: nvidia-h200) (~8 min)
@@ -117,6 +118,21 @@ if [ "$stage" = serving ]; then
   }
   for tree in ${BASE:-}; do serve_bench "$tree" "$(basename "$tree")" inf; done
   serve_bench . here ${RATES:-16 64 inf}
+fi
+if [ "$stage" = speed ]; then
+  # the 0.6B shape in bf16 and with an FP8 cache, then the 8B shape: here and in BASE, alternating
+  for run in 1 2; do
+    for tree in "${BASE:?BASE names an older checkout}" .; do
+      for kv in auto fp8; do
+        (cd "$tree" && python bench.py --config configs/qwen3-0.6b.json --kv-cache-dtype $kv) 2>&1 | grep Throughput \
+          | sed "s|^|qwen3-0.6b $kv $tree: |"
+      done
+    done
+  done
+  for tree in "$BASE" .; do
+    (cd "$tree" && python bench.py --config configs/qwen3-8b.json) 2>&1 | grep Throughput | sed "s|^|qwen3-8b $tree: |"
+  done
+  python scripts/bench_floor.py configs/qwen3-8b.json 2>&1 | grep floor
 fi
 if [ "$stage" = sampling ]; then
   python scripts/bench_parallel_sampling.py --config configs/qwen3-0.6b.json 2>&1 | tee "$LOGS/sampling.log" | grep -v Loading
