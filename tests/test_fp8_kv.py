@@ -58,3 +58,54 @@ def test_fp8_runs_long_decodes_with_prefix_hits_and_stays_consistent(engines):
 def test_kv_cache_dtype_is_checked(model_paths):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(model_paths["gqa_tied"], kv_cache_dtype="int4")
+
+
+def with_kv_scales(source: str, dest, k_scales, v_scales) -> str:
+    """A copy of the checkpoint at source with each layer's self_attn.k_scale and v_scale added, as
+    checkpoints quantised for an FP8 KV cache carry them."""
+    import glob
+    import os
+    import shutil
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(source, dest)
+    files = sorted(glob.glob(os.path.join(dest, "*.safetensors")))
+    tensors = load_file(files[-1])
+    for i, (k, v) in enumerate(zip(k_scales, v_scales)):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k, dtype=torch.float32)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v, dtype=torch.float32)
+    save_file(tensors, files[-1], metadata={"format": "pt"})
+    index = os.path.join(dest, "model.safetensors.index.json")
+    if os.path.isfile(index):                              # a sharded checkpoint lists its tensors
+        import json
+        with open(index) as f:
+            content = json.load(f)
+        content["weight_map"].update({name: os.path.basename(files[-1]) for name in tensors})
+        with open(index, "w") as f:
+            json.dump(content, f)
+    return str(dest)
+
+
+def test_checkpoint_kv_scales_replace_the_measured_ones(engines, model_paths, tmp_path):
+    """Scales in the checkpoint are used as they are (a scale per head becomes the layer's largest);
+    the 16-bit cache ignores them, and a checkpoint without them gets measured scales."""
+    auto, fp8 = engines
+    measured = fp8.model_runner.kv_cache.scales.flatten(1)          # [K or V, layer]
+    k_scales = [1.5 * float(s) for s in measured[0]]
+    v_scales = [[0.5 * float(s), 1.25 * float(s)] for s in measured[1]]   # per KV head
+    path = with_kv_scales(model_paths["gqa_tied"], tmp_path / "scaled", k_scales, v_scales)
+    scaled = LLM(path, kvcache_block_size=16, num_kvcache_blocks=64, kv_cache_dtype="fp8")
+    got = scaled.model_runner.kv_cache.scales.flatten(1)
+    assert got[0].tolist() == pytest.approx(k_scales, rel=1e-6)
+    assert got[1].tolist() == pytest.approx([max(v) for v in v_scales], rel=1e-6)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = scaled.generate(PROMPTS[:4], params, use_tqdm=False)
+    assert all(len(o["token_ids"]) == 6 for o in outputs)
+    ignored = LLM(path, kvcache_block_size=16, num_kvcache_blocks=64)
+    assert [o["token_ids"] for o in ignored.generate(PROMPTS[:4], params, use_tqdm=False)] == \
+        [o["token_ids"] for o in auto.generate(PROMPTS[:4], params, use_tqdm=False)]
+
+
+def test_a_checkpoint_kv_scale_must_be_positive(model_paths, tmp_path):
+    path = with_kv_scales(model_paths["gqa_tied"], tmp_path / "bad", [0.1, 0.0], [0.1, 0.1])
+    with pytest.raises(ValueError, match="k_scale of layer 1"):
+        LLM(path, kvcache_block_size=16, num_kvcache_blocks=64, kv_cache_dtype="fp8")

@@ -4,9 +4,12 @@ Checkpoint names are Hugging Face's; projections we keep merged (q/k/v, gate/up)
 pieces by shard id, weights and biases alike. Experts stacked into one parameter take each
 expert's tensor by (shard id, expert id). A tied LM head is the embedding, so a checkpoint's
 copy of it is skipped; an untied one must be in the checkpoint like every other weight.
+Checkpoints made for an FP8 KV cache carry each layer's `self_attn.k_scale` and `v_scale`; they are
+handed back to the runner, which uses them when the cache is FP8.
 """
 import glob
 import os
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -40,16 +43,20 @@ def checkpoint_names(model: nn.Module) -> dict[str, tuple[str, tuple]]:
     return names
 
 
-def load_model(model: nn.Module, path: str, load_format: str = "auto") -> None:
+KV_SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.([kv])_scale$")
+
+
+def load_model(model: nn.Module, path: str, load_format: str = "auto") -> dict[int, dict[str, torch.Tensor]]:
     """Fill every parameter from the checkpoint at `path`, or with random values of the same
-    scale (load_format "dummy": benchmarks of shapes whose weights would not fit on disk)."""
+    scale (load_format "dummy": benchmarks of shapes whose weights would not fit on disk).
+    Returns the checkpoint's K/V cache scales: layer index -> {"k": tensor, "v": tensor}."""
     if load_format == "dummy":
         from nanovllm.utils.random_checkpoint import random_tensors
         device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
-        load_tensors(model, random_tensors(AutoConfig.from_pretrained(path), dtype=dtype, device=str(device)), path)
-    else:
-        load_tensors(model, checkpoint_tensors(path), path)
+        return load_tensors(model, random_tensors(AutoConfig.from_pretrained(path), dtype=dtype, device=str(device)),
+                            path)
+    return load_tensors(model, checkpoint_tensors(path), path)
 
 
 def checkpoint_tensors(path: str) -> Iterator[tuple[str, object]]:
@@ -60,12 +67,18 @@ def checkpoint_tensors(path: str) -> Iterator[tuple[str, object]]:
                 yield name, f.get_slice(name)
 
 
-def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, object]], path: str) -> None:
+def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, object]],
+                 path: str) -> dict[int, dict[str, torch.Tensor]]:
     params = dict(model.named_parameters())
     wanted = checkpoint_names(model)
-    loaded = set()
+    loaded, kv_scales = set(), {}
     for name, tensor in tensors:
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.tie_word_embeddings):
+            continue
+        kv_scale = KV_SCALE_NAME.search(name)
+        if kv_scale:
+            layer, which = kv_scale.groups()
+            kv_scales.setdefault(int(layer), {})[which] = tensor[...].float().reshape(-1)
             continue
         if name not in wanted:
             raise ValueError(f"model: checkpoint tensor {name!r} has no place in the model")
@@ -79,3 +92,4 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, object]], path: 
     if missing:
         raise ValueError(f"model: checkpoint at {path!r} lacks {len(missing)} weight(s) the model needs: "
                          f"{missing[:5]}{' and more' if len(missing) > 5 else ''}")
+    return kv_scales

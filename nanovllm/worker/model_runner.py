@@ -6,6 +6,7 @@ every sequence whose prompt is fully computed (sampling_inputs.py). Under tensor
 also sends each step to the worker processes (tp.py). It never decides what runs; the scheduler does.
 """
 import contextlib
+import math
 import os
 import time
 import weakref
@@ -80,7 +81,7 @@ class ModelRunner:
                                     world_size=self.world_size, rank=rank, timeout=timedelta(minutes=10))
         with torch.device(self.device), default_dtype(config.torch_dtype):
             self.model = build_model(config.model_config)
-        load_model(self.model, config.model, config.load_format)
+        checkpoint_kv_scales = load_model(self.model, config.model, config.load_format)
         self.model.eval()
         if conn is not None:
             conn.send(LOADED)
@@ -96,7 +97,7 @@ class ModelRunner:
             attn.backend = self.backend
         self.kv_cache = KVCache(self.attention_layers, self.block_size, kv_dtype, self.device)
         self.num_kvcache_blocks = self._size_kv_cache()
-        if self.kv_cache.is_fp8:
+        if self.kv_cache.is_fp8 and not self._use_checkpoint_kv_scales(checkpoint_kv_scales):
             self._calibrate_kv_scales()
         self.kv_cache.allocate(self.num_kvcache_blocks)
         if self.is_cuda:
@@ -172,6 +173,20 @@ class ModelRunner:
         The memory warm-up cannot: it runs before the cache exists."""
         self.execute(StepInputs(True, np.zeros(1, np.int64), np.array([1]), np.array([-1]), np.array([2]),
                                 np.array([0, 1]), np.zeros((1, 1), np.int64), np.array([0])))
+
+    def _use_checkpoint_kv_scales(self, scales: dict[int, dict[str, torch.Tensor]]) -> bool:
+        """Take the checkpoint's K and V scales if it has both for every layer. A scale per head
+        becomes the layer's largest (every rank then agrees, whichever heads it holds)."""
+        num_layers = len(self.attention_layers)
+        if any(set(scales.get(i, ())) != {"k", "v"} for i in range(num_layers)):
+            return False
+        for i in range(num_layers):
+            for row, which in enumerate("kv"):
+                value = float(scales[i][which].max())
+                if not (math.isfinite(value) and value > 0):
+                    raise ValueError(f"model: checkpoint {which}_scale of layer {i} is {value}; it must be positive")
+                self.kv_cache.scales[row, i] = value
+        return True
 
     @torch.inference_mode()
     def _calibrate_kv_scales(self, num_tokens: int = 512, headroom: float = 2.0) -> None:
