@@ -349,9 +349,12 @@ def test_model_directory_without_config_or_weights(model_paths, tmp_path):
 def test_dummy_weights_are_the_random_checkpoint_drawn_in_place(tmp_path):
     """load_format="dummy" needs no weight files; it draws what write_random_checkpoint would write
     (same seed), so it must generate exactly what the written checkpoint does."""
-    from nanovllm.utils.random_checkpoint import write_tiny_model
+    import torch
+    from nanovllm.utils.random_checkpoint import tiny_config, write_demo_tokenizer, write_random_checkpoint
     written = str(tmp_path / "written")
-    write_tiny_model(written, seed=0)
+    tokenizer = write_demo_tokenizer(written)
+    device = "cuda" if torch.cuda.is_available() else "cpu"      # where the engine will draw them
+    write_random_checkpoint(written, tiny_config(len(tokenizer)), dtype=torch.float32, device=device)
     shape_only = tmp_path / "shape_only"
     shutil.copytree(written, shape_only, ignore=shutil.ignore_patterns("*.safetensors"))
     prompts, params = [[5, 6, 7, 8], [9, 10]], SamplingParams(temperature=0.0, max_tokens=8)
