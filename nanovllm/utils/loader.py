@@ -15,8 +15,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig
 
+from nanovllm.config import Config
 from nanovllm.layers.moe import expert_checkpoint_names
 
 
@@ -46,17 +46,17 @@ def checkpoint_names(model: nn.Module) -> dict[str, tuple[str, tuple]]:
 KV_SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
-def load_model(model: nn.Module, path: str, load_format: str = "auto") -> dict[int, dict[str, torch.Tensor]]:
-    """Fill every parameter from the checkpoint at `path`, or with random values of the same
+def load_model(model: nn.Module, config: Config) -> dict[int, dict[str, torch.Tensor]]:
+    """Fill every parameter from the checkpoint at config.model, or with random values of the same
     scale (load_format "dummy": benchmarks of shapes whose weights would not fit on disk).
     Returns the checkpoint's K/V cache scales: layer index -> {"k": tensor, "v": tensor}."""
-    if load_format == "dummy":
+    if config.load_format == "dummy":
         from nanovllm.utils.random_checkpoint import random_tensors
-        device = next(model.parameters()).device
-        dtype = next(model.parameters()).dtype
-        return load_tensors(model, random_tensors(AutoConfig.from_pretrained(path), dtype=dtype, device=str(device)),
-                            path)
-    return load_tensors(model, checkpoint_tensors(path), path)
+        param = next(model.parameters())
+        tensors = random_tensors(config.hf_config, dtype=param.dtype, device=str(param.device))
+    else:
+        tensors = checkpoint_tensors(config.model)
+    return load_tensors(model, tensors, config.model)
 
 
 def checkpoint_tensors(path: str) -> Iterator[tuple[str, object]]:

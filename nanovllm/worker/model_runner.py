@@ -81,7 +81,7 @@ class ModelRunner:
                                     world_size=self.world_size, rank=rank, timeout=timedelta(minutes=10))
         with torch.device(self.device), default_dtype(config.torch_dtype):
             self.model = build_model(config.model_config)
-        checkpoint_kv_scales = load_model(self.model, config.model, config.load_format)
+        checkpoint_kv_scales = load_model(self.model, config)
         self.model.eval()
         if conn is not None:
             conn.send(LOADED)
