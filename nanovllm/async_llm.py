@@ -134,6 +134,7 @@ class AsyncLLM:
         self._stats: dict = {}
         self._live: dict[Hashable, _Delivery] = {}   # engine thread only
         self._num_steps = 0                            # engine thread only
+        self._due_interval = 1                         # engine thread only: steps between a request's outputs
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(model, engine_args, ready),
                                         name="nanovllm-engine", daemon=True)
@@ -268,6 +269,7 @@ class AsyncLLM:
                     self._apply(command)
             if not engine.is_finished():
                 self._num_steps += 1
+                self._due_interval = -(-len(self._live) // STREAMS_PER_STEP)
                 self._dispatch(engine.step_updates(self._due))
             self._stats = engine.stats()
 
@@ -304,8 +306,8 @@ class AsyncLLM:
     def _due(self, request_id: Hashable) -> bool:
         """Does this request hear from this step (see the top of this file)?"""
         delivery = self._live.get(request_id)
-        interval = -(-len(self._live) // STREAMS_PER_STEP)
-        return delivery is None or delivery.last is None or self._num_steps - delivery.sent_at_step >= interval
+        return (delivery is None or delivery.last is None
+                or self._num_steps - delivery.sent_at_step >= self._due_interval)
 
     def _dispatch(self, updates: list) -> None:
         items = []
