@@ -23,6 +23,12 @@ async def start_choices(llm: AsyncLLM, prompts: list, params: SamplingParams) ->
     return streams
 
 
+def report_end(out: dict, on_finished: Callable[[dict], None]) -> None:
+    """Tell on_finished about a request that ended other than by abort."""
+    if out["finished"] and out["finish_reason"] != "abort":
+        on_finished(out)
+
+
 async def merge_choices(streams: list[RequestStream], n: int,
                         on_finished: Callable[[dict], None]) -> AsyncIterator[tuple[int, dict]]:
     """(choice index, output) in arrival order over all prompts' requests. Leaving early, or an
@@ -30,8 +36,7 @@ async def merge_choices(streams: list[RequestStream], n: int,
     if len(streams) == 1:               # the common case, read directly: no task and queue per output
         with streams[0] as stream:
             async for out in stream:
-                if out["finished"] and out["finish_reason"] != "abort":
-                    on_finished(out)
+                report_end(out, on_finished)
                 yield out["index"], out
         return
     merged: asyncio.Queue = asyncio.Queue()
@@ -40,8 +45,7 @@ async def merge_choices(streams: list[RequestStream], n: int,
         try:
             with stream:
                 async for out in stream:
-                    if out["finished"] and out["finish_reason"] != "abort":
-                        on_finished(out)
+                    report_end(out, on_finished)
                     merged.put_nowait((prompt_index * n + out["index"], out))
         except Exception as e:
             merged.put_nowait((prompt_index, e))
