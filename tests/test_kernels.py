@@ -108,21 +108,30 @@ STORE_CASES = [  # block_size, num_kv_heads, head_dim
 ]
 
 
+def store_inputs(num_tokens: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, cache_dtype: torch.dtype, num_padding: int):
+    """Inputs of the fused rotary + K/V store: q, k, v as strided views of one packed tensor, slots
+    of which num_padding are -1 (padding), positions, the rotary cache, q/k norm weights, and four
+    NaN-poisoned caches (ours and the twin's, K and V), so any stray write shows."""
+    _, q, key, value = packed_qkv(num_tokens, 2 * num_kv_heads, num_kv_heads, head_dim, dtype)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
+    slots[torch.randperm(num_tokens, device=DEVICE)[:num_padding]] = -1
+    positions = torch.randint(0, 4096, (num_tokens,), device=DEVICE)
+    cos_sin = RotaryEmbedding(head_dim, 4096, 1e6).cos_sin_cache.to(DEVICE)
+    weights = (torch.randn(head_dim, device=DEVICE).to(dtype), torch.randn(head_dim, device=DEVICE).to(dtype))
+    poisoned = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), device=DEVICE).to(cache_dtype)
+    return q, key, value, slots, positions, cos_sin, weights, [poisoned.clone() for _ in range(4)]
+
+
 @needs_triton
 @dtypes
 @pytest.mark.parametrize("block_size,num_kv_heads,head_dim", STORE_CASES,
                          ids=[f"block{b}-kv{h}-d{d}" for b, h, d in STORE_CASES])
 def test_rotary_stores_keys_and_values_at_valid_slots_and_skips_padding(block_size, num_kv_heads, head_dim, dtype):
-    num_tokens, num_blocks = 40, 6
-    _, q, key, value = packed_qkv(num_tokens, 2 * num_kv_heads, num_kv_heads, head_dim, dtype)   # strided views
+    q, key, value, slots, positions, cos_sin, weights, caches = store_inputs(
+        40, 6, block_size, num_kv_heads, head_dim, dtype, dtype, num_padding=10)
     key_before = key.clone()
-    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
-    slots[torch.randperm(num_tokens, device=DEVICE)[:10]] = -1
-    positions = torch.randint(0, 4096, (num_tokens,), device=DEVICE)
-    cos_sin = RotaryEmbedding(head_dim, 4096, 1e6).cos_sin_cache.to(DEVICE)
-    weights = (torch.randn(head_dim, device=DEVICE).to(dtype), torch.randn(head_dim, device=DEVICE).to(dtype))
-    poisoned = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
-    k_cache, v_cache, k_ref, v_ref = (poisoned.clone() for _ in range(4))
+    k_cache, v_cache, k_ref, v_ref = caches
 
     _, rotated = apply_rotary(positions, q, key, cos_sin, weights, EPS, KVStore(value, k_cache, v_cache, slots))
     _, rotated_ref = apply_rotary_ref(positions, q.clone(), key_before, cos_sin, weights, EPS,

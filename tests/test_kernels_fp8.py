@@ -23,9 +23,8 @@ from nanovllm.kernels.paged_attention import (decode_num_splits, paged_attention
                                               paged_decode_attention, paged_prefill_attention)
 from nanovllm.kernels.rotary_embedding import KVStore, apply_rotary, apply_rotary_ref, store_kvcache_ref
 from nanovllm.kernels.triton_compat import HAS_TRITON, tl, triton
-from nanovllm.layers.rotary import RotaryEmbedding
 from tests.test_kernels import (CUDA, DEVICE, EPS, NUM_SMS, TOL, assert_close, dense_attention, fixed_seed,  # noqa: F401
-                                make_paged_cache, needs_triton, packed_qkv, poison_fresh_tensors)
+                                make_paged_cache, needs_triton, packed_qkv, poison_fresh_tensors, store_inputs)
 
 QUERY_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 query_dtypes = pytest.mark.parametrize("dtype", QUERY_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
@@ -203,18 +202,12 @@ STORE_CASES = [  # block_size, num_kv_heads, head_dim, k scales, v scales
 @query_dtypes
 @pytest.mark.parametrize("block_size,num_kv_heads,head_dim,k_scale,v_scale", STORE_CASES)
 def test_rotary_stores_quantised_keys_and_values(block_size, num_kv_heads, head_dim, k_scale, v_scale, dtype):
-    num_tokens, num_blocks = 24, 4
     k_scale, v_scale = scales(k_scale), scales(v_scale)
-    _, q, key, value = packed_qkv(num_tokens, 2 * num_kv_heads, num_kv_heads, head_dim, dtype)
+    q, key, value, slots, positions, cos_sin, weights, caches = store_inputs(
+        24, 4, block_size, num_kv_heads, head_dim, dtype, FP8_DTYPE, num_padding=6)
     value.mul_(3)   # some values beyond 448 * v_scale, which must clamp
     key_before = key.clone()
-    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
-    slots[torch.randperm(num_tokens, device=DEVICE)[:6]] = -1
-    positions = torch.randint(0, 4096, (num_tokens,), device=DEVICE)
-    cos_sin = RotaryEmbedding(head_dim, 4096, 1e6).cos_sin_cache.to(DEVICE)
-    weights = (torch.randn(head_dim, device=DEVICE).to(dtype), torch.randn(head_dim, device=DEVICE).to(dtype))
-    poisoned = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), device=DEVICE).to(FP8_DTYPE)
-    k_cache, v_cache, k_ref, v_ref = (poisoned.clone() for _ in range(4))
+    k_cache, v_cache, k_ref, v_ref = caches
 
     _, rotated = apply_rotary(positions, q, key, cos_sin, weights, EPS,
                               KVStore(value, k_cache, v_cache, slots, k_scale, v_scale))
