@@ -2,8 +2,14 @@
 model's own dtype on the same tiny model. The tiny test models attend sharply on purpose (small
 changes flip their greedy choices), so the bar is a measured agreement rate and a logprob bound;
 the demo model's accuracy check is in test_demo.py."""
+import glob
+import json
+import os
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX
@@ -63,10 +69,6 @@ def test_kv_cache_dtype_is_checked(model_paths):
 def with_kv_scales(source: str, dest, k_scales, v_scales) -> str:
     """A copy of the checkpoint at source with each layer's self_attn.k_scale and v_scale added, as
     checkpoints quantised for an FP8 KV cache carry them."""
-    import glob
-    import os
-    import shutil
-    from safetensors.torch import load_file, save_file
     shutil.copytree(source, dest)
     files = sorted(glob.glob(os.path.join(dest, "*.safetensors")))
     tensors = load_file(files[-1])
@@ -76,7 +78,6 @@ def with_kv_scales(source: str, dest, k_scales, v_scales) -> str:
     save_file(tensors, files[-1], metadata={"format": "pt"})
     index = os.path.join(dest, "model.safetensors.index.json")
     if os.path.isfile(index):                              # a sharded checkpoint lists its tensors
-        import json
         with open(index) as f:
             content = json.load(f)
         content["weight_map"].update({name: os.path.basename(files[-1]) for name in tensors})
