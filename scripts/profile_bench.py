@@ -25,8 +25,9 @@ def main():
     parser.add_argument("--config", default="configs/qwen3-0.6b.json")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--profile-steps", type=int, default=20)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = parser.parse_args()
-    llm = LLM(cached_shape(args.config), load_format="dummy")
+    llm = LLM(cached_shape(args.config), load_format="dummy", kv_cache_dtype=args.kv_cache_dtype)
     seed(0)
     prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(args.num_seqs)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, 1024)) for _ in prompts]
@@ -64,7 +65,8 @@ def main():
     print(f"workload: {tokens} output tokens in {wall:.2f} s = {tokens / wall:,.0f} tok/s")
     totals, counts, previous_end = defaultdict(float), defaultdict(int), 0.0
     hf = llm.config.hf_config
-    kv_bytes_per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim * 2
+    kv_itemsize = 1 if args.kv_cache_dtype == "fp8" else 2
+    kv_bytes_per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim * kv_itemsize
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     buckets = [(128, 256), (64, 127), (16, 63), (1, 15)]
     for kind, num_seqs, context, start, end in marks:
