@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.serve.cli import parse_args
-from tests.conftest import mixed_prompts
+from tests.conftest import alive, child_pids, mixed_prompts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 API_KEY = "test-key"
@@ -58,31 +58,6 @@ def wait_ready(server: subprocess.Popen, port: int, timeout: float = 180.0) -> N
         time.sleep(0.2)
     server.kill()
     raise RuntimeError("the server did not become ready")
-
-
-def child_pids(pid: int) -> set[int]:
-    """Every descendant of pid, from /proc."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
