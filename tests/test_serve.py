@@ -293,7 +293,7 @@ def test_an_n_request_holds_its_prompt_once(path, offline):
     from nanovllm import AsyncLLM
     from nanovllm.serve.app import build_app
 
-    llm = AsyncLLM(path, **{**ENGINE_ARGS, "enable_prefix_caching": False})
+    llm = AsyncLLM(path, engine_process=False, **{**ENGINE_ARGS, "enable_prefix_caching": False})
     step_updates, used = llm.engine.step_updates, []
 
     def measured_step_updates(*args):
