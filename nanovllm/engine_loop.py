@@ -14,7 +14,7 @@ Items, as tuples (kind first):
 
 An output carries deltas only (`delta_text`, `delta_token_ids`, ...), not the cumulative `text`
 and `token_ids`: those grow with the completion, and the receiving side rebuilds them, so the
-engine does not copy them at every step.
+engine does not pickle them at every step. `run_engine_process` is the engine process's main.
 
 With more than STREAMS_PER_STEP live requests, a request hears from the engine every few steps
 instead of every step, with all its new tokens (its first output and its endings are never held

@@ -6,6 +6,8 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -407,6 +409,33 @@ def test_killed_engine_process_reaches_every_caller(path):
         llm.shutdown()
     assert time.monotonic() - started < 5
     assert not any(thread.is_alive() for thread in llm._threads) and not alive(llm._process.pid)
+
+
+FORGOTTEN_SHUTDOWN = """
+import asyncio, sys
+from nanovllm import AsyncLLM, SamplingParams
+if __name__ == "__main__":
+    llm = AsyncLLM(sys.argv[1], device="cpu", max_model_len=512, kvcache_block_size=16, num_kvcache_blocks=96)
+    print("engine pid", llm._process.pid, flush=True)
+    async def main():
+        async for out in llm.generate("hi", SamplingParams(max_tokens=400, ignore_eos=True)):
+            return out["delta_token_ids"]       # leaves a request running
+    print(asyncio.run(main()), flush=True)
+"""
+
+
+def test_a_forgotten_shutdown_does_not_hang_exit(path, tmp_path):
+    """A script that never calls shutdown, with a request still running, exits at once and takes
+    the engine process with it."""
+    script = tmp_path / "forgetful.py"
+    script.write_text(FORGOTTEN_SHUTDOWN)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, str(script), path], capture_output=True, text=True, timeout=120,
+                          cwd=repo, env=env)
+    assert done.returncode == 0, done.stderr
+    engine_pid = int(re.search(r"engine pid (\d+)", done.stdout).group(1))
+    assert not alive(engine_pid)
 
 
 @pytest.mark.parametrize("engine_process", [True, False])
