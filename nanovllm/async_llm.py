@@ -1,15 +1,16 @@
 """AsyncLLM: one engine serving many asyncio callers.
 
-The engine is not thread-safe, so one background thread owns it from construction to shutdown:
-it runs the step loop and applies the adds and aborts that callers hand it through a queue. Each
-request's outputs go back to its caller's event loop through an asyncio queue, one
-`call_soon_threadsafe` per event loop per step. With no work, the thread blocks on its queue.
+The engine runs in its own process (`engine_process=True`, the default): an EngineLoop (see
+engine_loop.py) steps it there, and this process only tokenizes chat templates, routes outputs and
+serves its callers, so neither side waits for the other's interpreter lock. Commands go to the
+engine through a queue (a small thread moves them onto a pipe); the engine answers with one message
+per loop iteration, which a reader thread routes to each request's asyncio queue, one
+`call_soon_threadsafe` per event loop per message.
 
-The engine thread and the callers' event loops share one interpreter lock, so every output (a
-server writes each as a chunk) delays the next step. With more than STREAMS_PER_STEP live
-requests, a request hears from the engine every few steps instead of every step, with all its new
-tokens (its first output and its endings are never held back): about STREAMS_PER_STEP outputs per
-step however many requests run, and the engine detokenizes only for those.
+`engine_process=False` runs the same loop on a thread of this process instead: `llm.engine` is
+then reachable (tests inject failures through it), at the price of one interpreter lock shared by
+the engine and the callers, which slows a loaded server down (each output written delays the next
+step). Use it when a second process is not wanted (debugging, a notebook on a small model).
 
     llm = AsyncLLM(path)
     async for out in llm.generate("introduce yourself", SamplingParams(max_tokens=64)):
@@ -17,55 +18,56 @@ step however many requests run, and the engine detokenizes only for those.
 
 Leaving the loop early aborts the request when the generator is closed: at once under
 `contextlib.aclosing(llm.generate(...))`, otherwise when Python finalizes it (soon after the loop).
+A script that starts the engine process needs the `if __name__ == "__main__":` guard (spawn).
 """
 import asyncio
+import atexit
+import itertools
 import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import pickle
 import queue
 import threading
 import uuid
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 
+from nanovllm.engine.chat_template import apply_chat_template
+from nanovllm.engine_loop import (ABORTED, ACCEPTED, CLOSED, FAILED, OUTPUT, READY, REFUSED, AbortAll, AbortRequest,
+                                  AddRequest, Command, EngineLoop, Message, Stop, queue_receiver, run_engine_process)
 from nanovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 logger = logging.getLogger(__name__)
+STOP_TIMEOUT = 20.0       # seconds the engine process gets to stop before it is terminated
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread failed; the AsyncLLM cannot serve anymore (the cause is chained)."""
+    """The engine failed or its process died; the AsyncLLM cannot serve anymore (the cause is chained)."""
 
 
 class EngineClosedError(RuntimeError):
     """The AsyncLLM was shut down while the request was waiting or running."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Delivery:
-    """Where one request's outputs go: an asyncio queue read on the caller's event loop."""
+    """Where one request's outputs go: an asyncio queue read on the caller's event loop. Outputs
+    arrive with deltas only; the cumulative text and token ids of each completion are kept here."""
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    last: dict | None = None           # the last output sent, to end an aborted stream with
-    sent_at_step: int = 0              # the engine step it last heard from
+    texts: dict[int, str] = field(default_factory=dict)
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+
+    def add_cumulative_fields(self, out: dict) -> None:
+        index = out["index"]
+        out["text"] = self.texts[index] = self.texts.get(index, "") + out["delta_text"]
+        out["token_ids"] = self.token_ids[index] = self.token_ids.get(index, []) + out["delta_token_ids"]
 
 
-@dataclass
-class _Add:
-    request_id: Hashable
-    prompt: Prompt
-    sampling_params: SamplingParams | None
-    delivery: _Delivery
-
-
-@dataclass
-class _Abort:
-    request_id: Hashable
-    done: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None   # set to "was it live"
-
-
-STREAMS_PER_STEP = 32
-_END_ALL = object()      # abort every live request; after shutdown() also stop the thread
 _ACCEPTED = object()    # first item of a delivery queue: the engine took the request
 
 
@@ -116,7 +118,7 @@ class RequestStream:
     def close(self) -> None:
         if not self.finished:
             self.finished = True
-            self._llm._commands.put(_Abort(self.request_id))
+            self._llm._commands.put(AbortRequest(self.request_id))
 
     def __enter__(self) -> "RequestStream":
         return self
@@ -126,40 +128,101 @@ class RequestStream:
 
 
 class AsyncLLM:
-    def __init__(self, model: str, **engine_args):
-        self.engine = None                      # the LLM, owned by the engine thread
-        self._commands: queue.Queue = queue.Queue()
+    def __init__(self, model: str, engine_process: bool = True, **engine_args):
+        """Start the engine (in its own process unless engine_process=False) and wait until it is
+        ready; bad engine arguments raise here (TypeError, or ValueError naming the argument)."""
+        if not isinstance(engine_process, bool):
+            raise TypeError(f"engine_process must be a bool, got {engine_process!r}")
+        self.engine = None                      # the LLM, only with engine_process=False
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()   # put() is safe from finalizers
+        self._lock = threading.Lock()           # guards the two dicts below, _error and _closed
+        self._deliveries: dict[Hashable, _Delivery] = {}
+        self._abort_replies: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._reply_tokens = itertools.count()
         self._error: BaseException | None = None
         self._closed = False
         self._stats: dict = {}
-        self._live: dict[Hashable, _Delivery] = {}   # engine thread only
-        self._num_steps = 0                            # engine thread only
-        self._due_interval = 1                         # engine thread only: steps between a request's outputs
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(model, engine_args, ready),
-                                        name="nanovllm-engine", daemon=True)
-        self._thread.start()
-        ready.wait()
-        if self.engine is None:                 # construction failed: bad arguments, no model, ...
-            self._thread.join()
-            raise self._error
+        self._process: mp.Process | None = None
+        self._threads: list[threading.Thread] = []
+        if engine_process:
+            self._start_process(model, engine_args)
+        else:
+            self._start_thread(model, engine_args)
+        atexit.register(self.shutdown)    # after multiprocessing's own (LIFO): stop the engine before it joins
+
+    def _start_thread(self, model: str, engine_args: dict) -> None:
+        """The EngineLoop on a thread of this process; it builds the engine and owns it."""
+        started: queue.SimpleQueue = queue.SimpleQueue()
+
+        def serve() -> None:
+            from nanovllm.llm import LLM
+            try:
+                engine = LLM(model, **engine_args)
+            except BaseException as e:
+                started.put(e)
+                return
+            started.put(engine)
+            try:
+                EngineLoop(engine, queue_receiver(self._commands), self._route).run()
+            finally:
+                engine.shutdown()
+
+        thread = threading.Thread(target=serve, name="nanovllm-engine", daemon=True)
+        thread.start()
+        engine = started.get()
+        if isinstance(engine, BaseException):      # construction failed: bad arguments, no model, ...
+            thread.join()
+            raise engine
+        self.engine, self._threads = engine, [thread]
+        self.config, self.tokenizer, self._stats = engine.config, engine.tokenizer, engine.stats()
+
+    def _start_process(self, model: str, engine_args: dict) -> None:
+        """The EngineLoop in a spawned process (not a daemon: tensor-parallel workers start from it)."""
+        context = mp.get_context("spawn")
+        commands_read, commands_write = context.Pipe(duplex=False)
+        messages_read, messages_write = context.Pipe(duplex=False)
+        process = context.Process(target=run_engine_process, name="nanovllm-engine",
+                                  args=(model, engine_args, commands_read, messages_write))
+        try:
+            process.start()
+            commands_read.close()
+            messages_write.close()
+            try:
+                ready = messages_read.recv()
+            except EOFError:
+                process.join()
+                raise RuntimeError(f"the engine process exited with code {process.exitcode} before it was ready") \
+                    from None
+            if ready[0] == FAILED:
+                process.join()
+                raise ready[1]
+            from transformers import AutoTokenizer
+            self.tokenizer = AutoTokenizer.from_pretrained(ready[1].model)
+        except BaseException:                   # also Ctrl-C while the engine loads: leave no process behind
+            for conn in (commands_write, messages_read):
+                conn.close()
+            if process.is_alive():
+                process.kill()
+            if process.pid is not None:
+                process.join()
+            raise
+        _, self.config, self._stats = ready
+        self._process = process
+        self._threads = [threading.Thread(target=self._forward_commands, args=(commands_write,),
+                                          name="nanovllm-engine-commands", daemon=True),
+                         threading.Thread(target=self._read_messages, args=(messages_read,),
+                                          name="nanovllm-engine-messages", daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
     # ---- caller side (any event loop) ----------------------------------------------------------
 
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def config(self):
-        return self.engine.config
-
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of one conversation with the generation prompt (reads only the tokenizer)."""
-        return self.engine.apply_chat_template(messages)
+        return apply_chat_template(self.tokenizer, messages, self.config.model)
 
     def stats(self) -> dict:
-        """The engine's counters and gauges as of its last step (see LLMEngine.stats)."""
+        """The engine's counters and gauges as of its last message (see LLMEngine.stats)."""
         return self._stats
 
     @property
@@ -170,14 +233,22 @@ class AsyncLLM:
                           request_id: Hashable | None = None) -> RequestStream:
         """Queue a request; returns once the engine accepted it. Bad input raises here (ValueError
         or TypeError naming the argument), as does a duplicate live request_id."""
-        self._check_usable()
         request_id = uuid.uuid4().hex if request_id is None else request_id
+        try:
+            hash(request_id)
+        except TypeError:
+            raise TypeError(f"request_id must be hashable, got {request_id!r}") from None
         delivery = _Delivery(asyncio.get_running_loop())
-        self._commands.put(_Add(request_id, prompt, sampling_params, delivery))
+        with self._lock:
+            self._check_usable()
+            if request_id in self._deliveries:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._deliveries[request_id] = delivery
+        self._commands.put(AddRequest(request_id, prompt, sampling_params))
         try:
             first = await delivery.queue.get()
         except asyncio.CancelledError:
-            self._commands.put(_Abort(request_id))
+            self._commands.put(AbortRequest(request_id))
             raise
         if isinstance(first, BaseException):
             raise first
@@ -202,23 +273,42 @@ class AsyncLLM:
     async def abort(self, request_id: Hashable) -> bool:
         """Abort a request and free its KV blocks; True if it was still live. Its stream ends with
         an output whose finish_reason is "abort"."""
-        self._check_usable()
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._commands.put(_Abort(request_id, (loop, done)))
+        with self._lock:
+            self._check_usable()
+            token = next(self._reply_tokens)
+            self._abort_replies[token] = (loop, done)
+        self._commands.put(AbortRequest(request_id, token))
         return await done
 
     def abort_all(self) -> None:
         """Abort every live request (their streams end with an EngineClosedError); thread-safe."""
-        self._commands.put(_END_ALL)
+        self._commands.put(AbortAll())
 
     def shutdown(self) -> None:
-        """Abort every live request, stop the engine (and its workers) and the thread. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._commands.put(_END_ALL)
-        self._thread.join()
+        """Abort every live request, stop the engine (its process, its workers) and the threads
+        that serve it. Idempotent; also run at interpreter exit."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        atexit.unregister(self.shutdown)
+        self._commands.put(Stop())
+        if self._process is not None:
+            self._process.join(STOP_TIMEOUT)
+            if self._process.is_alive():
+                logger.warning("nanovllm: the engine process did not stop in %.0f s; terminating it", STOP_TIMEOUT)
+                self._process.terminate()
+                self._process.join(5)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join()
+        for thread in self._threads:
+            thread.join()
+        with self._lock:                        # requests the engine never answered
+            ended = self._end_everything(EngineClosedError("the engine is shutting down"))
+        _deliver(ended)
 
     def __enter__(self) -> "AsyncLLM":
         return self
@@ -232,132 +322,123 @@ class AsyncLLM:
         if self._error is not None:
             raise EngineDeadError(f"the engine failed earlier: {self._error!r}") from self._error
 
-    # ---- engine thread ---------------------------------------------------------------------------
+    # ---- outputs: on the engine thread, or the reader thread of the engine process's messages ----
 
-    def _run(self, model: str, engine_args: dict, ready: threading.Event) -> None:
-        from nanovllm.llm import LLM
+    def _route(self, message: Message) -> None:
+        """Hand every item of one engine message to the caller it is for."""
+        items, self._stats = message
+        routed: list[tuple[_Delivery, object]] = []
+        with self._lock:
+            for item in items:
+                kind = item[0]
+                if kind == OUTPUT:
+                    delivery = self._deliveries.get(item[1])
+                    if delivery is not None:
+                        delivery.add_cumulative_fields(item[2])
+                        routed.append((delivery, item[2]))
+                        if item[2]["finished"]:
+                            del self._deliveries[item[1]]
+                elif kind == ACCEPTED:
+                    if item[1] in self._deliveries:
+                        routed.append((self._deliveries[item[1]], _ACCEPTED))
+                elif kind in (REFUSED, CLOSED):
+                    delivery = self._deliveries.pop(item[1], None)
+                    if delivery is not None:
+                        error = item[2] if kind == REFUSED else EngineClosedError("the engine is shutting down")
+                        routed.append((delivery, error))
+                elif kind == ABORTED:
+                    if item[1] in self._abort_replies:
+                        _answer(self._abort_replies.pop(item[1]), item[2])
+                elif kind == FAILED:
+                    routed += self._engine_died(item[1])
+        _deliver(routed)
+
+    def _engine_died(self, cause: BaseException) -> list[tuple[_Delivery, object]]:
+        """Under the lock: from now on every caller hears EngineDeadError (the cause chained)."""
+        if self._error is not None:
+            return []
+        self._error = cause
+        dead = EngineDeadError(f"the engine failed: {cause!r}")
+        dead.__cause__ = cause
+        return self._end_everything(dead)
+
+    def _end_everything(self, error: BaseException) -> list[tuple[_Delivery, object]]:
+        """Under the lock: end every request this side knows of with error; abort() answers False."""
+        ended = [(delivery, error) for delivery in self._deliveries.values()]
+        self._deliveries.clear()
+        for waiter in self._abort_replies.values():
+            _answer(waiter, False)
+        self._abort_replies.clear()
+        return ended
+
+    def _read_messages(self, conn: Connection) -> None:
+        """Route the engine process's messages until its pipe ends; if it ends before shutdown,
+        the process died (killed, crashed) and every caller hears of it."""
         try:
-            self.engine = LLM(model, **engine_args)
-        except BaseException as e:
-            self._error = e
-            return
+            while True:
+                self._route(conn.recv())
+        except (EOFError, OSError):
+            pass
         finally:
-            ready.set()
+            conn.close()
+        if self._closed:                    # shutdown() stopped it, and ends what is left
+            return
+        mp.connection.wait([self._process.sentinel], timeout=1)     # its exit code, for the error
+        cause = RuntimeError(f"the engine process died (exit code {self._process.exitcode})")
+        with self._lock:
+            ended = [] if self._closed else self._engine_died(cause)
+        _deliver(ended)
+
+    def _forward_commands(self, conn: Connection) -> None:
+        """Move commands from the queue onto the engine process's pipe, in batches, until Stop."""
+        receive = queue_receiver(self._commands)
         try:
-            self._stats = self.engine.stats()
-            self._serve()
-        except BaseException as e:             # a failing step, a dead worker: tell every caller
-            logger.exception("nanovllm: the engine thread failed; every request now gets an error")
-            self._error = e
-            dead = EngineDeadError(f"the engine failed: {e!r}")
-            dead.__cause__ = e
-            self._deliver([(d, dead) for d in self._live.values()])
-            self._live.clear()
-            self._refuse_until_stop(dead)
-        finally:
-            self.engine.shutdown()
-
-    def _serve(self) -> None:
-        engine = self.engine
-        while True:
-            for command in self._drain(block=engine.is_finished()):
-                if command is _END_ALL:
-                    self._end_all(EngineClosedError("the engine is shutting down"))
-                    if self._closed:
-                        return
-                else:
-                    self._apply(command)
-            if not engine.is_finished():
-                self._num_steps += 1
-                self._due_interval = -(-len(self._live) // STREAMS_PER_STEP)
-                self._dispatch(engine.step_updates(self._due))
-            self._stats = engine.stats()
-
-    def _drain(self, block: bool) -> list:
-        commands = [self._commands.get()] if block else []
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                return commands
-
-    def _apply(self, command: _Add | _Abort) -> None:
-        if isinstance(command, _Add):
-            try:
-                self.engine.add_request(command.prompt, command.sampling_params, command.request_id)
-            except Exception as e:              # bad input: only this caller hears of it
-                self._deliver([(command.delivery, e)])
-                return
-            self._live[command.request_id] = command.delivery
-            self._deliver([(command.delivery, _ACCEPTED)])
-            return
-        was_live = self.engine.abort(command.request_id)
-        delivery = self._live.pop(command.request_id, None)
-        if delivery is not None:
-            last = delivery.last or {"index": 0, "text": "", "token_ids": []}
-            self._deliver([(delivery, {"request_id": command.request_id, "index": last["index"], "delta_text": "",
-                                       "delta_token_ids": [], "delta_logprobs": None, "text": last["text"],
-                                       "token_ids": last["token_ids"], "finished": True,
-                                       "finish_reason": "abort"})])
-        if command.done is not None:
-            loop, future = command.done
-            loop.call_soon_threadsafe(_set_result, future, was_live)
-
-    def _due(self, request_id: Hashable) -> bool:
-        """Does this request hear from this step (see the top of this file)?"""
-        delivery = self._live.get(request_id)
-        return (delivery is None or delivery.last is None
-                or self._num_steps - delivery.sent_at_step >= self._due_interval)
-
-    def _dispatch(self, updates: list) -> None:
-        items = []
-        for update in updates:
-            delivery = self._live.get(update.request_id)
-            if delivery is None:
-                continue
-            finished = update.output is not None         # the engine's output ends the request
-            out = dict(update.output) if finished else {}
-            out.update(request_id=update.request_id, index=update.index, delta_text=update.delta_text,
-                       delta_token_ids=update.new_token_ids, delta_logprobs=update.new_logprobs,
-                       text=update.text, token_ids=update.token_ids, finished=finished,
-                       finish_reason=update.finish_reason)
-            if finished:          # the top-level fields are those of this output's completion
-                out["logprobs"] = update.output["outputs"][update.index]["logprobs"]
-                del self._live[update.request_id]
-            delivery.last, delivery.sent_at_step = out, self._num_steps
-            items.append((delivery, out))
-        self._deliver(items)
-
-    def _end_all(self, error: BaseException) -> None:
-        for request_id in list(self._live):
-            self.engine.abort(request_id)
-        self._deliver([(d, error) for d in self._live.values()])
-        self._live.clear()
-
-    def _refuse_until_stop(self, error: BaseException) -> None:
-        """After a failure, answer every add with the error until shutdown, so nobody waits forever."""
-        while True:
-            command = self._commands.get()
-            if command is _END_ALL:
-                if self._closed:
+            while True:
+                commands = receive(True)
+                self._send_commands(conn, commands)
+                if any(isinstance(command, Stop) for command in commands):
                     return
-            elif isinstance(command, _Add):
-                self._deliver([(command.delivery, error)])
-            elif command.done is not None:
-                command.done[0].call_soon_threadsafe(_set_result, command.done[1], False)
+        except OSError:                     # the process is gone; the reader tells the callers
+            pass
+        finally:
+            conn.close()
 
-    @staticmethod
-    def _deliver(items: list[tuple[_Delivery, object]]) -> None:
-        """Hand items to their event loops: one wake-up per loop, not one per request."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-        for delivery, item in items:
-            by_loop[delivery.loop].append((delivery.queue, item))
-        for loop, batch in by_loop.items():
+    def _send_commands(self, conn: Connection, commands: list[Command]) -> None:
+        try:
+            conn.send(commands)
+            return
+        except (pickle.PicklingError, TypeError, AttributeError):
+            pass                            # a request_id, prompt or sampling_params that does not pickle
+        for command in commands:
             try:
-                loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:                # that caller's event loop is closed: nobody listens
-                pass
+                conn.send([command])
+            except (pickle.PicklingError, TypeError, AttributeError) as e:
+                error = TypeError(f"request_id, prompt and sampling_params must pickle to reach the engine "
+                                  f"process: {e}")
+                if isinstance(command, AddRequest):
+                    self._route(([(REFUSED, command.request_id, error)], self._stats))
+                elif isinstance(command, AbortRequest) and command.reply_token is not None:
+                    self._route(([(ABORTED, command.reply_token, False)], self._stats))
 
+
+def _deliver(items: list[tuple[_Delivery, object]]) -> None:
+    """Hand items to their event loops: one wake-up per loop, not one per request."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+    for delivery, item in items:
+        by_loop[delivery.loop].append((delivery.queue, item))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:                # that caller's event loop is closed: nobody listens
+            pass
+
+
+def _answer(waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future], was_live: bool) -> None:
+    loop, future = waiter
+    try:
+        loop.call_soon_threadsafe(_set_result, future, was_live)
+    except RuntimeError:                    # that caller's event loop is closed
+        pass
 
 def _joined(before: dict, after: dict) -> dict:
     """Two outputs of one completion as one: the later one with both deltas."""

@@ -1,14 +1,21 @@
 """AsyncLLM on the CPU: streamed outputs against the engine's own offline outputs, aborts that
-free KV blocks, engine-thread failures that reach every caller, and shutdown."""
+free KV blocks, engine failures (an error in its loop, its process killed) that reach every
+caller, and shutdown. The engine runs in its own process, as a server runs it; tests that inject
+failures through `llm.engine` run it on a thread (engine_process=False)."""
 import asyncio
+import os
 import re
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 from nanovllm import LLM, AsyncLLM, SamplingParams
 from nanovllm.async_llm import EngineClosedError, EngineDeadError
-from tests.conftest import mixed_prompts
+from nanovllm.engine_loop import portable_exception
+from tests.conftest import alive, child_pids, mixed_prompts
 
 ENGINE_ARGS = dict(device="cpu", max_model_len=512, kvcache_block_size=16, num_kvcache_blocks=96)
 
@@ -26,6 +33,14 @@ def llm(path):
 
 
 @pytest.fixture(scope="module")
+def threaded(path):
+    """The engine on a thread of this process, where tests can reach it (llm.engine)."""
+    llm = AsyncLLM(path, engine_process=False, **ENGINE_ARGS)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
 def offline(path):
     with LLM(path, **ENGINE_ARGS) as llm:
         yield llm
@@ -37,6 +52,12 @@ def run(coro):
 
 async def stream_all(llm: AsyncLLM, prompt, params, request_id=None) -> list[dict]:
     return [out async for out in llm.generate(prompt, params, request_id)]
+
+
+def engine_idle(llm: AsyncLLM) -> bool:
+    """What a user sees of an idle engine: no request running or waiting, no KV block used."""
+    stats = llm.stats()
+    return stats["kv_cache_usage"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
 
 
 def wait_until(condition, timeout: float = 10.0) -> bool:
@@ -108,12 +129,14 @@ def test_a_slow_reader_gets_joined_deltas(llm, offline):
     assert len(outs) < 30 and any(len(o["delta_token_ids"]) > 1 for o in outs)
 
 
-def test_many_streams_hear_every_few_steps(llm, offline, monkeypatch):
+def test_many_streams_hear_every_few_steps(threaded, offline, monkeypatch):
     """With more live requests than STREAMS_PER_STEP, each hears from the engine every
     ceil(live / STREAMS_PER_STEP) steps: fewer, joined outputs, equal to offline all the same; the
-    first output is never held back, and a request alone hears every step."""
-    import nanovllm.async_llm
-    monkeypatch.setattr(nanovllm.async_llm, "STREAMS_PER_STEP", 2)
+    first output is never held back, and a request alone hears every step. (On a thread, where
+    the engine loop sees the patched constant.)"""
+    import nanovllm.engine_loop
+    llm = threaded
+    monkeypatch.setattr(nanovllm.engine_loop, "STREAMS_PER_STEP", 2)
     vocab = offline.config.hf_config.vocab_size
     prompts = mixed_prompts(vocab, lengths=(5, 9, 13, 7, 11, 6))
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -207,8 +230,7 @@ def test_leaving_an_n_stream_early_frees_every_completion(llm):
                 break
 
     run(main())
-    assert wait_until(lambda: llm.engine.block_manager.num_used_blocks == 0)
-    assert wait_until(lambda: llm.stats()["num_running"] == 0 and llm.stats()["num_waiting"] == 0)
+    assert wait_until(lambda: engine_idle(llm))
 
 
 def test_leaving_early_aborts_and_frees_blocks(llm):
@@ -223,8 +245,7 @@ def test_leaving_early_aborts_and_frees_blocks(llm):
         return seen
 
     assert run(main()) >= 3
-    assert wait_until(lambda: llm.engine.block_manager.num_used_blocks == 0)
-    assert wait_until(lambda: llm.stats()["num_running"] == 0 and llm.stats()["num_waiting"] == 0)
+    assert wait_until(lambda: engine_idle(llm))
 
 
 def test_abort_by_request_id_ends_the_stream(llm):
@@ -242,7 +263,9 @@ def test_abort_by_request_id_ends_the_stream(llm):
     outs = run(main())
     assert outs[-1]["finished"] and outs[-1]["finish_reason"] == "abort"
     assert len(outs[-1]["token_ids"]) < 400
-    assert wait_until(lambda: llm.engine.block_manager.num_used_blocks == 0)
+    assert outs[-1]["text"] == "".join(o["delta_text"] for o in outs)
+    assert outs[-1]["token_ids"] == [t for o in outs for t in o["delta_token_ids"]]
+    assert wait_until(lambda: engine_idle(llm))
 
 
 def test_bad_requests_raise_and_the_engine_keeps_serving(llm, offline):
@@ -266,8 +289,8 @@ def test_bad_requests_raise_and_the_engine_keeps_serving(llm, offline):
     check_stream_matches(outs, offline.generate(["still fine"], params, use_tqdm=False)[0])
 
 
-def test_engine_thread_error_reaches_every_caller(path):
-    llm = AsyncLLM(path, **ENGINE_ARGS)
+def test_engine_loop_error_reaches_every_caller(path):
+    llm = AsyncLLM(path, engine_process=False, **ENGINE_ARGS)
     step_updates = llm.engine.step_updates
     calls = []
 
@@ -294,10 +317,11 @@ def test_engine_thread_error_reaches_every_caller(path):
         assert not llm.is_alive
     finally:
         llm.shutdown()
-    assert not llm._thread.is_alive()
+    assert not any(thread.is_alive() for thread in llm._threads)
 
 
-def test_thread_idles_without_work(llm):
+def test_engine_loop_idles_without_work(threaded):
+    llm = threaded
     calls = []
     step_updates = llm.engine.step_updates
 
@@ -317,8 +341,12 @@ def test_thread_idles_without_work(llm):
         del llm.engine.step_updates
 
 
-def test_shutdown_ends_waiting_callers_and_the_thread(path):
-    llm = AsyncLLM(path, **ENGINE_ARGS)
+@pytest.mark.parametrize("engine_process", [True, False])
+def test_shutdown_ends_waiting_callers_and_the_engine(path, engine_process):
+    llm = AsyncLLM(path, engine_process=engine_process, **ENGINE_ARGS)
+    children = child_pids(os.getpid())
+    if engine_process:
+        assert llm._process.pid in children
     long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
     async def main():
@@ -333,13 +361,120 @@ def test_shutdown_ends_waiting_callers_and_the_thread(path):
             await stream_all(llm, "after shutdown", long)
 
     run(main())
-    assert not llm._thread.is_alive()
-    assert llm.engine.model_runner is None          # the engine itself was shut down
-    llm.shutdown()                                  # idempotent
+    assert not any(thread.is_alive() for thread in llm._threads)
+    if engine_process:          # it exited by itself (no terminate/kill), and left no process behind
+        assert llm._process.exitcode == 0
+        assert not [pid for pid in child_pids(os.getpid()) - (children - {llm._process.pid}) if alive(pid)]
+        assert not alive(llm._process.pid)
+    else:
+        assert llm.engine.model_runner is None          # the engine itself was shut down
+    assert not llm.is_alive
+    llm.shutdown()                                      # idempotent
 
 
-def test_bad_engine_arguments_raise_from_the_constructor(path):
+def test_killed_engine_process_reaches_every_caller(path):
+    """SIGKILL of the engine process mid-stream: every caller gets EngineDeadError at once, later
+    requests too, /health's is_alive turns False, and shutdown returns without waiting."""
+    llm = AsyncLLM(path, **ENGINE_ARGS)
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def one(prompt: str, started: asyncio.Event) -> list[dict]:
+        outs = []
+        async for out in llm.generate(prompt, long):
+            outs.append(out)
+            started.set()
+        return outs
+
+    async def main():
+        events = [asyncio.Event() for _ in range(3)]
+        tasks = [asyncio.ensure_future(one(f"prompt {i}", e)) for i, e in enumerate(events)]
+        await asyncio.gather(*(e.wait() for e in events))
+        os.kill(llm._process.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=10)
+        noticed_in = time.monotonic() - killed_at
+        with pytest.raises(EngineDeadError, match="died"):
+            await stream_all(llm, "after the kill", long)
+        with pytest.raises(EngineDeadError):
+            await llm.abort("anything")
+        return results, noticed_in
+
+    try:
+        results, noticed_in = run(main())
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert "exit code -9" in str(results[0].__cause__) and noticed_in < 5
+        assert not llm.is_alive
+    finally:
+        started = time.monotonic()
+        llm.shutdown()
+    assert time.monotonic() - started < 5
+    assert not any(thread.is_alive() for thread in llm._threads) and not alive(llm._process.pid)
+
+
+FORGOTTEN_SHUTDOWN = """
+import asyncio, sys
+from nanovllm import AsyncLLM, SamplingParams
+if __name__ == "__main__":
+    llm = AsyncLLM(sys.argv[1], device="cpu", max_model_len=512, kvcache_block_size=16, num_kvcache_blocks=96)
+    print("engine pid", llm._process.pid, flush=True)
+    async def main():
+        async for out in llm.generate("hi", SamplingParams(max_tokens=400, ignore_eos=True)):
+            return out["delta_token_ids"]       # leaves a request running
+    print(asyncio.run(main()), flush=True)
+"""
+
+
+def test_a_forgotten_shutdown_does_not_hang_exit(path, tmp_path):
+    """A script that never calls shutdown, with a request still running, exits at once and takes
+    the engine process with it."""
+    script = tmp_path / "forgetful.py"
+    script.write_text(FORGOTTEN_SHUTDOWN)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, str(script), path], capture_output=True, text=True, timeout=120,
+                          cwd=repo, env=env)
+    assert done.returncode == 0, done.stderr
+    engine_pid = int(re.search(r"engine pid (\d+)", done.stdout).group(1))
+    assert not alive(engine_pid)
+
+
+@pytest.mark.parametrize("engine_process", [True, False])
+def test_bad_engine_arguments_raise_from_the_constructor(path, engine_process):
+    before = child_pids(os.getpid())
     with pytest.raises(TypeError, match="unknown engine argument"):
-        AsyncLLM(path, device="cpu", not_an_argument=1)
+        AsyncLLM(path, engine_process=engine_process, device="cpu", not_an_argument=1)
     with pytest.raises(ValueError, match="model"):
-        AsyncLLM(path + "-missing", device="cpu")
+        AsyncLLM(path + "-missing", engine_process=engine_process, device="cpu")
+    with pytest.raises(ValueError, match="max_model_len"):
+        AsyncLLM(path, engine_process=engine_process, device="cpu", max_model_len=1)
+    with pytest.raises(TypeError, match="engine_process"):
+        AsyncLLM(path, engine_process="yes", device="cpu")
+    assert not [pid for pid in child_pids(os.getpid()) - before if alive(pid)]      # no engine process left
+
+
+def test_a_request_id_that_does_not_pickle_is_refused(llm, offline):
+    """The engine process gets requests through a pipe: an id that cannot go there is a TypeError
+    for that request alone."""
+    class LocalId:                  # a class defined in a function does not pickle
+        pass
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def main():
+        with pytest.raises(TypeError, match="pickle"):
+            await stream_all(llm, "hello", params, request_id=LocalId())
+        with pytest.raises(TypeError, match="request_id"):
+            await stream_all(llm, "hello", params, request_id=["not", "hashable"])
+        return await stream_all(llm, "hello", params)
+
+    check_stream_matches(run(main()), offline.generate(["hello"], params, use_tqdm=False)[0])
+
+
+def test_an_engine_error_that_does_not_pickle_becomes_a_runtime_error():
+    class LocalError(Exception):    # defined in a function: does not pickle
+        pass
+
+    kept = ValueError("bad prompt")
+    assert portable_exception(kept) is kept
+    replaced = portable_exception(LocalError("device fell over"))
+    assert type(replaced) is RuntimeError and "LocalError('device fell over')" in str(replaced)

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.serve.cli import parse_args
-from tests.conftest import mixed_prompts
+from tests.conftest import alive, child_pids, mixed_prompts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 API_KEY = "test-key"
@@ -58,31 +58,6 @@ def wait_ready(server: subprocess.Popen, port: int, timeout: float = 180.0) -> N
         time.sleep(0.2)
     server.kill()
     raise RuntimeError("the server did not become ready")
-
-
-def child_pids(pid: int) -> set[int]:
-    """Every descendant of pid, from /proc."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -318,7 +293,7 @@ def test_an_n_request_holds_its_prompt_once(path, offline):
     from nanovllm import AsyncLLM
     from nanovllm.serve.app import build_app
 
-    llm = AsyncLLM(path, **{**ENGINE_ARGS, "enable_prefix_caching": False})
+    llm = AsyncLLM(path, engine_process=False, **{**ENGINE_ARGS, "enable_prefix_caching": False})
     step_updates, used = llm.engine.step_updates, []
 
     def measured_step_updates(*args):
@@ -602,7 +577,7 @@ def test_engine_failure_reaches_clients_and_health(path):
     from nanovllm import AsyncLLM
     from nanovllm.serve.app import build_app
 
-    llm = AsyncLLM(path, **ENGINE_ARGS)
+    llm = AsyncLLM(path, engine_process=False, **ENGINE_ARGS)
     step_updates, calls = llm.engine.step_updates, []
 
     def failing_step_updates(*args):
@@ -621,6 +596,38 @@ def test_engine_failure_reaches_clients_and_health(path):
                                                                       ignore_eos=True))
             events = [line for line in streamed.text.splitlines() if line]
             assert events[-1] == "data: [DONE]" and "device fell over" in json.loads(events[-2][6:])["error"]["message"]
+            assert_error(await client.post("/v1/completions", json=dict(prompt="hi")), 500, None)
+            assert (await client.get("/health")).status_code == 503
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        llm.shutdown()
+
+
+def test_killed_engine_process_reaches_clients_and_health(path):
+    """In process: the app over an AsyncLLM whose engine process is killed mid-stream: the stream
+    ends with an error event, later requests get a 500 error body, /health turns 503."""
+    import asyncio
+
+    from nanovllm import AsyncLLM
+    from nanovllm.serve.app import build_app
+
+    llm = AsyncLLM(path, **ENGINE_ARGS)
+
+    async def main():
+        transport = httpx.ASGITransport(app=build_app(llm, MODEL_NAME))
+        async with httpx.AsyncClient(transport=transport, base_url="http://nanovllm") as client:
+            assert (await client.get("/health")).status_code == 200
+            generated = llm.stats()["generation_tokens"]
+            body = dict(prompt="hi", max_tokens=400, stream=True, ignore_eos=True)
+            streamed = asyncio.ensure_future(client.post("/v1/completions", json=body))
+            while llm.stats()["generation_tokens"] < generated + 3:        # the stream flows
+                await asyncio.sleep(0.01)
+            os.kill(llm._process.pid, signal.SIGKILL)
+            events = [line for line in (await streamed).text.splitlines() if line]
+            assert events[-1] == "data: [DONE]" and "died" in json.loads(events[-2][6:])["error"]["message"]
+            assert len(events) < 400
             assert_error(await client.post("/v1/completions", json=dict(prompt="hi")), 500, None)
             assert (await client.get("/health")).status_code == 503
 

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from nanovllm.config import Config
 from nanovllm.engine.beam_search import BeamSearch
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.chat_template import Message, apply_chat_template
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, decode_many
 from nanovllm.worker.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.scheduler import Scheduler
@@ -24,7 +25,6 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 
 Prompt = str | list[int]
-Message = dict[str, str]
 
 
 @dataclass(slots=True)
@@ -455,14 +455,7 @@ class LLMEngine:
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
         """Token ids of one conversation under the tokenizer's chat template, ready for the reply."""
-        if self.tokenizer.chat_template is None:
-            raise ValueError(f"messages: the tokenizer of {self.config.model!r} has no chat template")
-        if not isinstance(messages, (list, tuple)) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise TypeError("messages must be a non-empty list of {'role': str, 'content': str} dicts")
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return apply_chat_template(self.tokenizer, messages, self.config.model)
 
     def chat(self, messages: list[Message] | list[list[Message]], sampling_params=None,
              use_tqdm: bool = True) -> list[dict]:
