@@ -3,13 +3,16 @@ model's own dtype on the same tiny model. The tiny test models attend sharply on
 changes flip their greedy choices), so the bar is a measured agreement rate and a logprob bound;
 the demo model's accuracy check is in test_demo.py."""
 import glob
+import importlib.util
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX
@@ -110,3 +113,36 @@ def test_a_checkpoint_kv_scale_must_be_positive(model_paths, tmp_path):
     path = with_kv_scales(model_paths["gqa_tied"], tmp_path / "bad", [0.1, 0.0], [0.1, 0.1])
     with pytest.raises(ValueError, match="k_scale of layer 1"):
         LLM(path, kvcache_block_size=16, num_kvcache_blocks=64, kv_cache_dtype="fp8")
+
+
+def _accuracy_script():
+    spec = importlib.util.spec_from_file_location(
+        "kv_cache_accuracy", Path(__file__).resolve().parent.parent / "scripts" / "kv_cache_accuracy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_accuracy_script_captures_prefill_and_first_decode_from_the_forced_token(model_paths):
+    """scripts/kv_cache_accuracy.py: its logits rows are each prompt's prefill and first decode step
+    (against transformers), its forced first token is the one decoded from, an engine against
+    itself has no error, and a float8 cache a small one."""
+    script = _accuracy_script()
+    path = model_paths["gqa_tied"]
+    prompts = mixed_prompts(500, lengths=(40, 7, 90, 23), seed=5)
+    reference = script.capture_step_logits(path, prompts, "float32", "auto", "cpu")
+    forced = [(t + 1) % 500 for t in reference.first_tokens]      # not what greedy would pick
+    again = script.capture_step_logits(path, prompts, "float32", "auto", "cpu", forced)
+    fp8 = script.capture_step_logits(path, prompts, "float32", "fp8", "cpu", forced)
+    assert again.first_tokens == fp8.first_tokens == forced
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for i, prompt in enumerate(prompts):
+            logits = hf(torch.tensor([prompt + [forced[i]]])).logits[0]
+            torch.testing.assert_close(again.prefill[i], logits[-2], atol=2e-4, rtol=2e-4)
+            torch.testing.assert_close(again.decode[i], logits[-1], atol=2e-4, rtol=2e-4)
+            assert reference.first_tokens[i] == int(logits[-2].argmax())
+    same = script.logits_errors(again.prefill, reference.prefill)
+    assert same == dict(rel_l2_mean=0.0, rel_l2_max=0.0, max_abs=0.0, kl_mean=0.0, top1_agree=1.0)
+    errors = script.logits_errors(again.decode, fp8.decode)
+    assert 1e-3 < errors["rel_l2_mean"] <= errors["rel_l2_max"] < 0.5 and errors["kl_mean"] > 0
