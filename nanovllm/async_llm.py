@@ -25,7 +25,6 @@ import atexit
 import itertools
 import logging
 import multiprocessing as mp
-import multiprocessing.connection
 import pickle
 import queue
 import threading
@@ -383,7 +382,7 @@ class AsyncLLM:
             conn.close()
         if self._closed:                    # shutdown() stopped it, and ends what is left
             return
-        mp.connection.wait([self._process.sentinel], timeout=1)     # its exit code, for the error
+        self._process.join(1)     # its exit code, for the error (a blocking wait: fds close before the status is set)
         cause = RuntimeError(f"the engine process died (exit code {self._process.exitcode})")
         with self._lock:
             ended = [] if self._closed else self._engine_died(cause)

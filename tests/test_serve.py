@@ -569,51 +569,28 @@ def test_server_still_serves_after_bad_requests(server, client, offline):
     assert httpx.get(f"{server}/health").status_code == 200
 
 
-def test_engine_failure_reaches_clients_and_health(path):
-    """In process (the app over an AsyncLLM whose engine fails mid-stream): the stream ends with an
-    error event, later requests get a 500 error body, /health turns 503; nothing hangs."""
+@pytest.mark.parametrize("engine_process", [False, True], ids=["step_raises_on_thread", "process_killed"])
+def test_engine_failure_reaches_clients_and_health(path, engine_process):
+    """In process (the app over an AsyncLLM whose engine fails mid-stream: a step raises on the
+    engine thread, or the engine process is killed): the stream ends with an error event, later
+    requests get a 500 error body, /health turns 503; nothing hangs."""
     import asyncio
 
     from nanovllm import AsyncLLM
     from nanovllm.serve.app import build_app
 
-    llm = AsyncLLM(path, engine_process=False, **ENGINE_ARGS)
-    step_updates, calls = llm.engine.step_updates, []
+    llm = AsyncLLM(path, engine_process=engine_process, **ENGINE_ARGS)
 
-    def failing_step_updates(*args):
-        calls.append(1)
-        if len(calls) == 4:
+    def break_engine() -> str:
+        """Make the engine fail; the words its error will carry."""
+        if engine_process:
+            os.kill(llm._process.pid, signal.SIGKILL)
+            return "died"
+
+        def failing_step_updates(*args):
             raise RuntimeError("device fell over")
-        return step_updates(*args)
-
-    llm.engine.step_updates = failing_step_updates
-
-    async def main():
-        transport = httpx.ASGITransport(app=build_app(llm, MODEL_NAME))
-        async with httpx.AsyncClient(transport=transport, base_url="http://nanovllm") as client:
-            assert (await client.get("/health")).status_code == 200
-            streamed = await client.post("/v1/completions", json=dict(prompt="hi", max_tokens=50, stream=True,
-                                                                      ignore_eos=True))
-            events = [line for line in streamed.text.splitlines() if line]
-            assert events[-1] == "data: [DONE]" and "device fell over" in json.loads(events[-2][6:])["error"]["message"]
-            assert_error(await client.post("/v1/completions", json=dict(prompt="hi")), 500, None)
-            assert (await client.get("/health")).status_code == 503
-
-    try:
-        asyncio.run(asyncio.wait_for(main(), 120))
-    finally:
-        llm.shutdown()
-
-
-def test_killed_engine_process_reaches_clients_and_health(path):
-    """In process: the app over an AsyncLLM whose engine process is killed mid-stream: the stream
-    ends with an error event, later requests get a 500 error body, /health turns 503."""
-    import asyncio
-
-    from nanovllm import AsyncLLM
-    from nanovllm.serve.app import build_app
-
-    llm = AsyncLLM(path, **ENGINE_ARGS)
+        llm.engine.step_updates = failing_step_updates
+        return "device fell over"
 
     async def main():
         transport = httpx.ASGITransport(app=build_app(llm, MODEL_NAME))
@@ -624,9 +601,9 @@ def test_killed_engine_process_reaches_clients_and_health(path):
             streamed = asyncio.ensure_future(client.post("/v1/completions", json=body))
             while llm.stats()["generation_tokens"] < generated + 3:        # the stream flows
                 await asyncio.sleep(0.01)
-            os.kill(llm._process.pid, signal.SIGKILL)
+            words = break_engine()
             events = [line for line in (await streamed).text.splitlines() if line]
-            assert events[-1] == "data: [DONE]" and "died" in json.loads(events[-2][6:])["error"]["message"]
+            assert events[-1] == "data: [DONE]" and words in json.loads(events[-2][6:])["error"]["message"]
             assert len(events) < 400
             assert_error(await client.post("/v1/completions", json=dict(prompt="hi")), 500, None)
             assert (await client.get("/health")).status_code == 503
