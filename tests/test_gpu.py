@@ -52,6 +52,36 @@ def test_prefix_cache_hits_on_cuda(model_path, hf_greedy):
     assert [o["token_ids"] for o in second] == [hf_greedy(model_path, p, 16) for p in prompts]
 
 
+def compiled_variants(kernel) -> int:
+    """How many specialisations of a Triton kernel this process has compiled, on every device."""
+    return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+
+def test_requests_after_start_up_compile_no_kernel(model_path):
+    """Start-up compiles what serving needs: prefills with and without cached context (prefix-cache
+    hits, chunked prompts, block tables 1 to 20 blocks wide, step inputs of every size) and decodes
+    (CUDA graphs) compile no Triton kernel afterwards. A compile in the middle of serving stalls
+    every running request for a second or more."""
+    from nanovllm.kernels import paged_attention, rms_norm, rotary_embedding, sampling, silu_and_mul
+
+    kernels = {"prefill": paged_attention._prefill_kernel, "decode": paged_attention._decode_kernel,
+               "combine": paged_attention._combine_splits_kernel, "rotary": rotary_embedding._rotary_kernel,
+               "rms_norm": rms_norm._rms_norm_kernel, "silu_and_mul": silu_and_mul._silu_and_mul_kernel,
+               "chunk_summary": sampling._chunk_summary_kernel, "pick_token": sampling._pick_token_kernel}
+    llm = LLM(model_path, device="cuda", kvcache_block_size=16, max_num_batched_tokens=64, max_num_seqs=4)
+    before = {name: compiled_variants(kernel) for name, kernel in kernels.items()}
+    shared = mixed_prompts(500, lengths=(40,), seed=3)[0]
+    prompts = [shared + tail for tail in mixed_prompts(500, lengths=(3, 200, 290), seed=4)]   # up to 20 blocks
+    for params in (SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                   SamplingParams(temperature=0.8, seed=1, max_tokens=8, ignore_eos=True)):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(o["num_cached_tokens"] >= 32 for o in outputs)     # the second round hit the prefix cache
+    assert {name: compiled_variants(kernel) for name, kernel in kernels.items()} == before
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 

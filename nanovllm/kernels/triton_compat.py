@@ -24,8 +24,8 @@ except ImportError:
         constexpr = object   # kernel signatures name it in annotations
 
         @staticmethod
-        def jit(fn):
-            return _MissingKernel(fn)
+        def jit(fn=None, **options):          # @triton.jit or @triton.jit(do_not_specialize=...)
+            return _MissingKernel(fn) if fn is not None else _MissingKernel
 
     triton = tl = libdevice = _MissingTriton()
 

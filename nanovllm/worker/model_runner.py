@@ -325,10 +325,12 @@ class ModelRunner:
         return data.pin_memory().to(self.device, non_blocking=True) if self.is_cuda else data
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """One host-to-device copy for all of a step's int arrays."""
-        data = self._host_to_device(np.concatenate([a.ravel() for a in arrays]).astype(np.int64))
-        out, offset = [], 0
-        for a in arrays:
-            out.append(data[offset:offset + a.size].view(a.shape))
-            offset += a.size
-        return out
+        """One host-to-device copy for all of a step's int arrays, each starting 16-byte aligned as
+        a tensor of its own would: Triton compiles a kernel variant per pointer alignment, and a view
+        aligned in one step but not the next would compile one in the middle of serving."""
+        starts = np.cumsum([0] + [-(-a.size // 2) * 2 for a in arrays])     # two int64s: 16 bytes
+        packed = np.zeros(starts[-1], np.int64)
+        for a, start in zip(arrays, starts):
+            packed[start:start + a.size] = a.ravel()
+        data = self._host_to_device(packed)
+        return [data[start:start + a.size].view(a.shape) for a, start in zip(arrays, starts)]
