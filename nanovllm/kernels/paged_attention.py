@@ -68,13 +68,7 @@ def _kv_launch_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                                          DOT_FP16=q.dtype != torch.float32)
 
 
-# The block table's row stride changes with every batch's longest sequence: not specialising on it
-# (Triton would compile a variant for 1, for multiples of 16 and for the rest) keeps a batch that
-# brings a new width from compiling mid-serving, which stalls every running request.
-BLOCK_TABLE_STRIDE_VARIES = ["stride_bt"]
-
-
-@triton.jit(do_not_specialize=BLOCK_TABLE_STRIDE_VARIES)
+@triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr,
                    out_ptr, part_out_ptr, part_lse_ptr, scale_log2e, stride_q_seq, stride_q_head,
                    stride_out_seq, stride_out_head, stride_cache_block, stride_cache_token, stride_bt,
@@ -259,7 +253,11 @@ def _attend_keys(q, m, l, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, 
     return m, l, acc
 
 
-@triton.jit(do_not_specialize=BLOCK_TABLE_STRIDE_VARIES)
+# The block table's row stride changes with every prefill's longest sequence: not specialising on it
+# (Triton compiles a variant for 1, for multiples of 16 and for the rest) keeps a prefill that brings
+# a new width from compiling mid-serving, which stalls every running request. Decodes replay CUDA
+# graphs captured with one width.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
                     context_lens_ptr, cu_seqlens_q_ptr,
                     out_ptr, scale_log2e, stride_q_token, stride_q_head, stride_out_token, stride_out_head,
