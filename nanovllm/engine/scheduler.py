@@ -118,8 +118,7 @@ class Scheduler:
             self.block_manager.fork(seq)
             # beside seq: siblings read the same prompt blocks, so running them side by side in a
             # decode step lets all but the first find those blocks in the GPU's L2 cache
-            at = next(i for i, s in enumerate(self.running) if s is seq)
-            self.running.insert(at + 1, child)
+            self.running.insert(self.running.index(seq) + 1, child)    # by identity: no Sequence.__eq__
         else:                                          # preempted: both recompute from scratch
             self.waiting.append(child)
         return child
