@@ -439,6 +439,7 @@ def _answer(waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future], was_live: 
     except RuntimeError:                    # that caller's event loop is closed
         pass
 
+
 def _joined(before: dict, after: dict) -> dict:
     """Two outputs of one completion as one: the later one with both deltas."""
     logprobs = None if after["delta_logprobs"] is None else before["delta_logprobs"] + after["delta_logprobs"]

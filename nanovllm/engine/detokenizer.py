@@ -75,7 +75,6 @@ class IncrementalDetokenizer:
         return 0
 
 
-
 def decode_many(tokenizer: PreTrainedTokenizerBase, id_lists: list[list[int]]) -> list[str]:
     """tokenizer.decode of each list (special tokens skipped). A fast tokenizer decodes them all in
     one call to its Rust backend, which costs a step of 256 streams about a tenth of one call each."""
