@@ -1,0 +1,65 @@
+"""Decode attention with the register budget per thread capped (Triton's maxnreg), float8 cache,
+batch 64 and 256, query groups of 2 (Qwen3-0.6B) and 4 (Qwen3-8B): does occupancy bound the float8
+kernel? (193 registers per thread at the (128, 4, 2) tile allow 2 programs per SM; 168 allow 3,
+128 allow 4.) Also the variant that converts values before the shared-memory transpose.
+
+    PYTHONPATH=. python scripts/decode_regs_check.py
+"""
+import importlib.util
+import pathlib
+
+import torch
+from triton.testing import do_bench
+
+import nanovllm.kernels.paged_attention as pa
+from nanovllm.kernels.triton_compat import pdl_launch
+from scripts.fp8_kernel_check import SCALE, paged_case, relative_error, HEAD_DIM, KV_HEADS
+
+
+def where_variant():
+    """paged_attention with `v = tl.where(kv_mask, v.to(q.dtype), 0.0)` in the decode loop."""
+    src = pathlib.Path(pa.__file__).read_text()
+    old = "            v = v.to(q.dtype)\n        l = l * alpha"
+    assert src.count(old) == 2   # the decode kernel first, then the prefill loop
+    path = pathlib.Path("/tmp/pa_where.py")
+    path.write_text(src.replace(old, "            v = tl.where(kv_mask, v.to(q.dtype), 0.0)\n        l = l * alpha", 1))
+    spec = importlib.util.spec_from_file_location("pa_where", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    print(torch.cuda.get_device_name(), torch.__version__)
+    variants = {"engine": pa, "where": where_variant()}
+    for batch in (64, 256):
+        c = paged_case(batch, seed=batch)
+        cu = torch.arange(batch + 1, device="cuda")
+        for heads in (16, 32):
+            q = torch.randn(batch, heads, HEAD_DIM, dtype=torch.bfloat16, device="cuda") * 2
+            k, v = c["k8"], c["v8"]
+            scales = dict(k_scale=c["k_scale"], v_scale=c["v_scale"])
+            ref = pa.paged_attention_ref(q, k, v, cu, c["lens"], c["tables"], SCALE, **scales)
+            nbytes = c["tokens"] * KV_HEADS * HEAD_DIM * 2 * k.element_size()
+            rows = []
+            for name, module in variants.items():
+                for tile in ((128, 4, 2), (128, 4, 3), (64, 4, 2), (64, 4, 3), (128, 8, 2)):
+                    for nreg in (None, 168, 128):
+                        module.pdl_launch = (lambda t, n=nreg: dict(pdl_launch(t), **({"maxnreg": n} if n else {})))
+                        fn = lambda: module.paged_decode_attention(q, k, v, c["lens"], c["tables"], SCALE, num_splits=1,
+                                                                   tile_tokens=tile[0], num_warps=tile[1],
+                                                                   num_stages=tile[2], **scales)
+                        try:
+                            err = relative_error(fn(), ref)
+                            ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
+                        except Exception as e:
+                            print(f"| {batch} | {heads} | {name} | {tile} | {nreg} | {type(e).__name__} |")
+                            continue
+                        rows.append(ms)
+                        print(f"| {batch} | {heads} | {name} | {tile} | {nreg} | {ms * 1e3:.1f} us | "
+                              f"{nbytes / ms / 1e6:,.0f} GB/s | {err:.1e} |", flush=True)
+                module.pdl_launch = pdl_launch
+
+
+if __name__ == "__main__":
+    main()
