@@ -3,17 +3,22 @@ batch 64 and 256, query groups of 2 (Qwen3-0.6B) and 4 (Qwen3-8B): does occupanc
 kernel? (193 registers per thread at the (128, 4, 2) tile allow 2 programs per SM; 168 allow 3,
 128 allow 4.) Also the variant that converts values before the shared-memory transpose.
 
-    PYTHONPATH=. python scripts/decode_regs_check.py
+    PYTHONPATH=. python scripts/decode_regs_check.py [--wide]
 """
 import importlib.util
 import pathlib
+import sys
 
 import torch
 from triton.testing import do_bench
 
 import nanovllm.kernels.paged_attention as pa
-from nanovllm.kernels.triton_compat import pdl_launch
 from scripts.fp8_kernel_check import SCALE, paged_case, relative_error, HEAD_DIM, KV_HEADS
+
+
+HEADS = (16, 32)
+TILES = ((128, 4, 2), (128, 4, 3), (64, 4, 2), (64, 4, 3), (128, 8, 2))
+REGISTERS = (None, 168, 128)
 
 
 def where_variant():
@@ -30,22 +35,26 @@ def where_variant():
 
 
 def main() -> None:
+    global HEADS, TILES, REGISTERS
+    if "--wide" in sys.argv:   # tiles with as many bytes as a 16-bit (128, 4, 2) tile, on 8 warps
+        HEADS, REGISTERS = (16,), (None, 168, 128, 112, 96)
+        TILES = ((128, 4, 2), (256, 8, 2), (256, 8, 3), (128, 8, 2), (128, 8, 3))
     print(torch.cuda.get_device_name(), torch.__version__)
     variants = {"engine": pa, "where": where_variant()}
+    pa_defaults = pa.FP8_DECODE_MAX_REGISTERS
     for batch in (64, 256):
         c = paged_case(batch, seed=batch)
         cu = torch.arange(batch + 1, device="cuda")
-        for heads in (16, 32):
+        for heads in HEADS:
             q = torch.randn(batch, heads, HEAD_DIM, dtype=torch.bfloat16, device="cuda") * 2
             k, v = c["k8"], c["v8"]
             scales = dict(k_scale=c["k_scale"], v_scale=c["v_scale"])
             ref = pa.paged_attention_ref(q, k, v, cu, c["lens"], c["tables"], SCALE, **scales)
             nbytes = c["tokens"] * KV_HEADS * HEAD_DIM * 2 * k.element_size()
-            rows = []
             for name, module in variants.items():
-                for tile in ((128, 4, 2), (128, 4, 3), (64, 4, 2), (64, 4, 3), (128, 8, 2)):
-                    for nreg in (None, 168, 128):
-                        module.pdl_launch = (lambda t, n=nreg: dict(pdl_launch(t), **({"maxnreg": n} if n else {})))
+                for tile in TILES:
+                    for nreg in REGISTERS:
+                        module.FP8_DECODE_MAX_REGISTERS = nreg   # None: the compiler's choice
                         fn = lambda: module.paged_decode_attention(q, k, v, c["lens"], c["tables"], SCALE, num_splits=1,
                                                                    tile_tokens=tile[0], num_warps=tile[1],
                                                                    num_stages=tile[2], **scales)
@@ -55,10 +64,9 @@ def main() -> None:
                         except Exception as e:
                             print(f"| {batch} | {heads} | {name} | {tile} | {nreg} | {type(e).__name__} |")
                             continue
-                        rows.append(ms)
                         print(f"| {batch} | {heads} | {name} | {tile} | {nreg} | {ms * 1e3:.1f} us | "
                               f"{nbytes / ms / 1e6:,.0f} GB/s | {err:.1e} |", flush=True)
-                module.pdl_launch = pdl_launch
+                module.FP8_DECODE_MAX_REGISTERS = pa_defaults
 
 
 if __name__ == "__main__":
