@@ -282,6 +282,35 @@ def test_paged_decode_attention_over_fp8_cache(block_size, head_dim, num_kv_head
         assert relative_error(out[i:i + 1], dense_attention(q[i:i + 1], k_float, v_float, scale)) < 0.1
 
 
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the register cap is measured and applied on Hopper GPUs only")
+def test_fp8_decode_kernel_keeps_to_the_register_cap_on_hopper(monkeypatch):
+    """Uncapped, the float8 decode kernel takes 193 registers per thread at the default tile, and
+    two programs fit on an SM; capped it must take at most FP8_DECODE_MAX_REGISTERS without spilling.
+    The 16-bit kernel keeps the compiler's choice."""
+    from nanovllm.kernels import paged_attention
+
+    kernel, launches = paged_attention._decode_kernel, []
+
+    class RecordingKernel:   # a launch returns the compiled kernel, which knows its registers
+        def __getitem__(self, grid):
+            return lambda *args, **options: launches.append((options, kernel[grid](*args, **options)))
+
+    monkeypatch.setattr(paged_attention, "_decode_kernel", RecordingKernel())
+    k_scale, v_scale = scales([0.01]), scales([0.02])
+    k8, v8, block_tables, _ = fp8_paged_cache([300, 17], 256, 8, 128, k_scale, v_scale)
+    lens = torch.tensor([300, 17], device=DEVICE)
+    q = torch.randn(2, 16, 128, dtype=torch.bfloat16, device=DEVICE)
+    paged_decode_attention(q, k8, v8, lens, block_tables, 128 ** -0.5, num_splits=1, k_scale=k_scale, v_scale=v_scale)
+    bf16 = k8.to(torch.bfloat16)
+    paged_decode_attention(q, bf16, bf16, lens, block_tables, 128 ** -0.5, num_splits=1)
+
+    (fp8_options, fp8_kernel), (bf16_options, _) = launches
+    cap = paged_attention.FP8_DECODE_MAX_REGISTERS
+    assert fp8_options["maxnreg"] == cap and fp8_kernel.n_regs <= cap and fp8_kernel.n_spills == 0
+    assert "maxnreg" not in bf16_options
+
+
 def test_decode_splits_for_fp8_ask_for_more_programs():
     assert decode_num_splits(64, 8, 132) == 2 and decode_num_splits(64, 8, 132, torch.bfloat16) == 2
     assert decode_num_splits(64, 8, 132, FP8_DTYPE) == 3          # ceil(8 * 132 / 512)

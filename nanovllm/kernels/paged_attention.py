@@ -15,6 +15,7 @@ K/V tile once for all query heads of its group, and long contexts can be split o
 programs whose partial results a second kernel combines (flash-decoding). The prefill kernel gives
 one program to each (query tile, sequence, head).
 """
+import functools
 import math
 
 import torch
@@ -179,10 +180,23 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int,
 # (tokens per tile, warps, pipeline stages) of the decode kernel: the best of the H100 sweeps for a
 # 16-bit cache and, at batch 64 and 256, for a float8 one too (docs/benchmarks.md).
 DECODE_TILE = (128, 4, 2)
-# Left alone, the float8 decode kernel takes 193 registers per thread, which fits two programs on an
-# SM; at 168 three fit without spilling, and on an H100 the kernel runs 7% faster (docs/benchmarks.md).
-# A 16-bit cache keeps the compiler's choice: capping it made that kernel slower.
+# Left alone, the float8 decode kernel takes 193 registers per thread, which fits two programs on a
+# Hopper SM; at 168 three fit without spilling, and on an H100 the kernel runs 7% faster
+# (docs/benchmarks.md). A 16-bit cache keeps the compiler's choice: capping it made that kernel slower.
+# Other GPUs keep it too: the cap was measured on Hopper only.
 FP8_DECODE_MAX_REGISTERS = 168
+
+
+@functools.cache
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def _decode_registers(q: torch.Tensor, kv_fp8: bool) -> dict:
+    if not (kv_fp8 and q.is_cuda):
+        return {}
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return dict(maxnreg=FP8_DECODE_MAX_REGISTERS) if _is_hopper(index) else {}
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -208,7 +222,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_out = part_lse = out   # unused
     block_d = triton.next_power_of_2(head_dim)
     grid = (num_kv_heads, num_splits, num_seqs) if heads_fastest else (num_seqs, num_kv_heads, num_splits)
-    registers = dict(maxnreg=FP8_DECODE_MAX_REGISTERS) if q.is_cuda and kv_constexprs["KV_FP8"] else {}
     _decode_kernel[grid](
         q, k_cache, v_cache, *scales, block_tables, context_lens, out, part_out, part_lse,
         scale * math.log2(math.e),
@@ -216,7 +229,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=min(tile_tokens, block_size),
         NUM_SPLITS=num_splits, PRECISION=_dot_precision(q.dtype), HEADS_FASTEST=heads_fastest, **kv_constexprs,
-        num_warps=num_warps, num_stages=num_stages, **registers, **pdl_launch(q))
+        num_warps=num_warps, num_stages=num_stages, **_decode_registers(q, kv_constexprs["KV_FP8"]),
+        **pdl_launch(q))
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),
