@@ -9,9 +9,9 @@ throughput = output tokens / wall time.
 """
 import argparse
 import time
-from random import randint, seed
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.utils.bench_workload import bench_requests
 from nanovllm.utils.random_checkpoint import cached_shape
 
 
@@ -37,12 +37,11 @@ def main():
               enforce_eager=args.enforce_eager, enable_prefix_caching=bool(args.enable_prefix_caching),
               kv_cache_dtype=args.kv_cache_dtype, load_format="auto" if args.model else "dummy")
 
-    seed(0)
-    prompts = [[randint(0, 10000) for _ in range(randint(args.min_input_len, args.max_input_len))]
-               for _ in range(args.num_seqs)]
-    sampling_params = [SamplingParams(temperature=0.6, ignore_eos=True,
-                                      max_tokens=randint(args.min_output_len, args.max_output_len))
-                       for _ in range(args.num_seqs)]
+    requests = bench_requests(args.num_seqs, (args.min_input_len, args.max_input_len),
+                              (args.min_output_len, args.max_output_len))
+    prompts = [prompt for prompt, _ in requests]
+    sampling_params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens)
+                       for _, max_tokens in requests]
 
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
     start = time.perf_counter()

@@ -9,7 +9,7 @@ ignore_eos. Reports request and output-token throughput and TTFT, TPOT and end-t
     nanovllm serve ~/huggingface/Qwen3-0.6B --port 8000 &
     python bench_serving.py --port 8000 --request-rate 16 --save-result rate16.json
 
-Needs aiohttp (`pip install "nanovllm[bench]"` or `pip install aiohttp`).
+Needs aiohttp besides nanovllm, which draws the requests (`pip install "nanovllm[bench]"`).
 """
 import argparse
 import asyncio
@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import aiohttp
+
+from nanovllm.utils.bench_workload import bench_requests
 
 
 @dataclass
@@ -35,16 +37,6 @@ class RequestResult:
     @property
     def tpot(self) -> float:
         return (self.latency - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
-
-
-def bench_workload(num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int],
-                   max_token_id: int) -> list[tuple[list[int], int]]:
-    """(prompt token ids, max_tokens) per request, drawn exactly as bench.py draws them."""
-    random.seed(0)
-    prompts = [[random.randint(0, max_token_id) for _ in range(random.randint(*input_len))]
-               for _ in range(num_requests)]
-    max_tokens = [random.randint(*output_len) for _ in range(num_requests)]
-    return list(zip(prompts, max_tokens))
 
 
 def arrival_delays(num_requests: int, request_rate: float, seed: int) -> list[float]:
@@ -136,7 +128,7 @@ def print_summary(summary: dict) -> None:
 async def run(args: argparse.Namespace) -> dict:
     base = args.base_url or f"http://{args.host}:{args.port}"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    workload = bench_workload(args.num_prompts, (args.min_input_len, args.max_input_len),
+    workload = bench_requests(args.num_prompts, (args.min_input_len, args.max_input_len),
                               (args.min_output_len, args.max_output_len), args.max_token_id)
     delays = arrival_delays(args.num_prompts, args.request_rate, args.seed)
     connector = aiohttp.TCPConnector(limit=0)

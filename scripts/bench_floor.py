@@ -10,22 +10,11 @@ there are max(output length) decode steps; prefill is not counted.
 """
 import argparse
 import json
-from random import randint, seed
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-
-def workload(num_seqs: int = 256, low: int = 100, high: int = 1024) -> tuple[list[int], list[int]]:
-    """Prompt and output lengths of bench.py's requests, drawn the way bench.py draws them."""
-    seed(0)
-    prompt_lens = []
-    for _ in range(num_seqs):
-        n = randint(low, high)
-        prompt_lens.append(n)
-        for _ in range(n):
-            randint(0, 10000)
-    return prompt_lens, [randint(low, high) for _ in range(num_seqs)]
+from nanovllm.utils.bench_workload import bench_requests
 
 
 def main():
@@ -52,7 +41,8 @@ def main():
         weight_bytes += expert_bytes
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * args.kv_bytes
-    prompt_lens, output_lens = workload()
+    requests = bench_requests()
+    prompt_lens, output_lens = [len(prompt) for prompt, _ in requests], [n for _, n in requests]
     steps = max(output_lens)
     token_reads = sum(sum(p + t for t in range(1, o + 1)) for p, o in zip(prompt_lens, output_lens))
     kv_bytes = token_reads * kv_per_token

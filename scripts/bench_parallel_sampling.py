@@ -12,9 +12,9 @@
 """
 import argparse
 import time
-from random import randint, seed
 
 from nanovllm import LLM, BeamSearchParams, SamplingParams
+from nanovllm.utils.bench_workload import bench_requests
 from nanovllm.utils.random_checkpoint import cached_shape
 
 
@@ -28,8 +28,7 @@ def main():
     parser.add_argument("--sample-tokens", type=int, default=512)
     args = parser.parse_args()
     llm = LLM(cached_shape(args.config), load_format="dummy")
-    seed(0)
-    prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(args.num_prompts)]
+    prompts = [prompt for prompt, _ in bench_requests(args.num_prompts)]
     llm.generate(["warm-up"], SamplingParams(), use_tqdm=False)
 
     engine = type(llm)

@@ -5,11 +5,11 @@ ratio: same requests, per-request max_new_tokens, EOS off, temperature 0.6.
 """
 import argparse
 import time
-from random import randint, seed
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from nanovllm.utils.bench_workload import bench_requests
 from nanovllm.utils.random_checkpoint import cached_random_checkpoint
 
 
@@ -20,9 +20,7 @@ def main():
     parser.add_argument("--timeout", type=float, default=300, help="seconds; report partial results after")
     parser.add_argument("--attn", default="paged|sdpa")
     args = parser.parse_args()
-    seed(0)
-    prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(args.num_seqs)]
-    max_tokens = [randint(100, 1024) for _ in prompts]
+    prompts, max_tokens = map(list, zip(*bench_requests(args.num_seqs)))
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = cached_random_checkpoint(args.config)

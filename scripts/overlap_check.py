@@ -22,7 +22,7 @@ Every variant's output is checked against `whole` (the GEMMs of a half batch may
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.fp8 import FP8_DTYPE, kv_scale_from_absmax, quantize_fp8
+from nanovllm.kernels.fp8 import kv_scale_from_absmax, quantize_fp8
 from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode_attention
 from nanovllm.kernels.rms_norm import rms_norm
 from nanovllm.kernels.rotary_embedding import KVStore, apply_rotary

@@ -6,11 +6,11 @@ and the time the GPU sat idle waiting for the host, then a kernel breakdown of a
 import argparse
 import time
 from collections import defaultdict
-from random import randint, seed
 
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.utils.bench_workload import bench_requests
 from nanovllm.utils.random_checkpoint import cached_shape
 
 KERNEL_GROUPS = [("attention", ("_decode_kernel", "_combine_splits", "_prefill_kernel", "flash", "attention",
@@ -28,9 +28,9 @@ def main():
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = parser.parse_args()
     llm = LLM(cached_shape(args.config), load_format="dummy", kv_cache_dtype=args.kv_cache_dtype)
-    seed(0)
-    prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(args.num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, 1024)) for _ in prompts]
+    requests = bench_requests(args.num_seqs)
+    prompts = [prompt for prompt, _ in requests]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens) for _, max_tokens in requests]
     llm.generate(["warm-up"], SamplingParams(), use_tqdm=False)
 
     # Events around every launched step, on one clock: a step's GPU time runs from when the device
