@@ -13,12 +13,12 @@ chunk count would launch them.
 import math
 
 import torch
-from triton.testing import do_bench
 
 from nanovllm.kernels.paged_attention import (FP8_DECODE_MAX_REGISTERS, decode_num_splits, paged_attention_ref,
                                               paged_decode_attention)
 from nanovllm.kernels.triton_compat import tl, triton
 from scripts.fp8_kernel_check import HEAD_DIM, HEADS, KV_HEADS, SCALE, paged_case, relative_error
+from scripts.graph_timing import graph_of, replay_ms
 
 
 @triton.jit
@@ -127,24 +127,9 @@ def chunked_decode(q, k_cache, v_cache, lens, tables, k_scale, v_scale, plan, ch
 
 def graph_us(fn, reps: int = 16) -> float:
     """fn captured reps times in one CUDA graph (as the decode graph runs it: no host in between);
-    median replay time / reps over 20 replays, in microseconds."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()   # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2] * 1e3 / reps
+    median replay time / reps, in microseconds."""
+    graph, _ = graph_of(lambda: [fn() for _ in range(reps)])
+    return replay_ms(graph) * 1e3 / reps
 
 
 def main() -> None:

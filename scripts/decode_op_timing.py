@@ -10,7 +10,6 @@ no launch gaps from the host, weights not in L2); a graph replay's time / LAYERS
 """
 import itertools
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 import triton
@@ -18,6 +17,7 @@ import triton.language as tl
 
 from nanovllm.kernels.rotary_embedding import KVStore, apply_rotary
 from nanovllm.kernels.sampling import gumbel_argmax
+from scripts.graph_timing import graph_of, replay_ms
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 1024, 16, 8, 128, 3072, 151936
 GEMMS = {"qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), "o": (HIDDEN, HEADS * HEAD_DIM),
@@ -29,26 +29,10 @@ ROWS = (16, 64, 128, 200, 256)      # decode batch sizes
 SPLITS = (1, 2, 4, 8)
 
 
-def graph_us(fn, reps: int = 20) -> float:
+def graph_us(fn) -> float:
     """fn(i) runs the op on weight set i; median replay time / LAYERS, in microseconds."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for i in range(LAYERS):   # compile and warm up outside the capture
-            fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(LAYERS):
-            fn(i)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(np.median(times)) * 1e3 / LAYERS
+    graph, _ = graph_of(lambda: [fn(i) for i in range(LAYERS)])
+    return replay_ms(graph) * 1e3 / LAYERS
 
 
 @triton.jit

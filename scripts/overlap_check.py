@@ -28,6 +28,7 @@ from nanovllm.kernels.rms_norm import rms_norm
 from nanovllm.kernels.rotary_embedding import KVStore, apply_rotary
 from nanovllm.kernels.silu_and_mul import silu_and_mul
 from nanovllm.layers.rotary import RotaryEmbedding
+from scripts.graph_timing import graph_of, replay_ms
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 1024, 16, 8, 128, 3072
 BLOCK, EPS, LAYERS = 256, 1e-6, 16
@@ -194,26 +195,8 @@ def variants(m: Layers):
     return {"whole": whole, "halves": halves, "free": free, "pipe": pipe(0), "pipe-hi": pipe(-1)}
 
 
-def capture(fn):
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
-def replay_us(graph, reps: int = 15) -> float:
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2] * 1e3 / LAYERS
+def replay_us(graph) -> float:
+    return replay_ms(graph, reps=15) * 1e3 / LAYERS
 
 
 def main():
@@ -227,7 +210,7 @@ def main():
             m = Layers(batch, fp8)
             times, outs = {}, {}
             for name, fn in variants(m).items():
-                graph, out = capture(fn)
+                graph, out = graph_of(fn)
                 times[name] = replay_us(graph)
                 graph.replay()
                 torch.cuda.synchronize()

@@ -26,11 +26,12 @@ import argparse
 import itertools
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from scripts.graph_timing import graph_of, replay_ms
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 1024, 16, 8, 128, 3072
 GEMMS = {"qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), "o": (HIDDEN, HEADS * HEAD_DIM),
@@ -149,30 +150,12 @@ def tiles_for(m: int, quick: bool) -> list[tuple[int, int, int, int, int]]:
 
 def capture(fn):
     """A CUDA graph of fn(i) for every weight set i, and the outputs it writes on replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(LAYERS):        # compile and warm up outside the capture
-            fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = [fn(i) for i in range(LAYERS)]
-    return graph, outputs
+    return graph_of(lambda: [fn(i) for i in range(LAYERS)])
 
 
-def replay_us(graph: torch.cuda.CUDAGraph, reps: int = 20) -> float:
+def replay_us(graph: torch.cuda.CUDAGraph) -> float:
     """Median replay time / LAYERS, in microseconds."""
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(np.median(times)) * 1e3 / LAYERS
+    return replay_ms(graph) * 1e3 / LAYERS
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
