@@ -15,14 +15,13 @@ K/V tile once for all query heads of its group, and long contexts can be split o
 programs whose partial results a second kernel combines (flash-decoding). The prefill kernel gives
 one program to each (query tile, sequence, head).
 """
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels.fp8 import FP8_DTYPE, check_kv_scales, dequantize_fp8, is_fp8_cache
-from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
+from nanovllm.kernels.triton_compat import cuda_major_capability, pdl_launch, tl, triton, wait_for_previous_kernel
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -187,16 +186,8 @@ DECODE_TILE = (128, 4, 2)
 FP8_DECODE_MAX_REGISTERS = 168
 
 
-@functools.cache
-def _is_hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] == 9
-
-
 def _decode_registers(q: torch.Tensor, kv_fp8: bool) -> dict:
-    if not (kv_fp8 and q.is_cuda):
-        return {}
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return dict(maxnreg=FP8_DECODE_MAX_REGISTERS) if _is_hopper(index) else {}
+    return dict(maxnreg=FP8_DECODE_MAX_REGISTERS) if kv_fp8 and cuda_major_capability(q) == 9 else {}
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

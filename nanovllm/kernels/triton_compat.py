@@ -31,15 +31,22 @@ except ImportError:
 
 
 @functools.cache
-def _has_pdl(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+def _major_capability(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def cuda_major_capability(t: torch.Tensor) -> int:
+    """The compute capability's major number of the GPU that holds t (9: Hopper); 0 off CUDA."""
+    if not t.is_cuda:
+        return 0
+    return _major_capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
     """Launch arguments for a kernel that starts with wait_for_previous_kernel(PDL) and works on t.
     With programmatic dependent launch the GPU may schedule the kernel while the one before it
     drains; the kernel then waits for that one's results before touching memory."""
-    on = t.is_cuda and _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    on = cuda_major_capability(t) >= 9
     return dict(PDL=on, launch_pdl=on)
 
 
