@@ -69,7 +69,7 @@ class Layers:
         self.cos_sin = RotaryEmbedding(HEAD_DIM, 4096, 1e6).cos_sin_cache.to(DEVICE)
         self.num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         self.x = torch.randn(batch, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
-        self.batch, self.bytes = batch, int(lens.sum()) * KV_HEADS * HEAD_DIM * 2 * self.k_cache.element_size()
+        self.batch = batch
 
     def chain_in(self, i: int, h: torch.Tensor, residual: torch.Tensor, rows: slice) -> torch.Tensor:
         """Input norm (adding h to the residual), qkv, q/k norm + rotary + KV store: the queries."""
@@ -98,17 +98,6 @@ class Layers:
         for i in range(LAYERS):
             h = self.chain_out(i, self.attention(self.chain_in(i, h, residual, rows), rows), residual)
         return h
-
-
-def two_streams(fn_a, fn_b, priority: int = 0):
-    """Run fn_a on the current stream and fn_b on a side stream; join."""
-    side = torch.cuda.Stream(priority=priority)
-    side.wait_stream(torch.cuda.current_stream())
-    out_a = fn_a()
-    with torch.cuda.stream(side):
-        out_b = fn_b()
-    torch.cuda.current_stream().wait_stream(side)
-    return out_a, out_b
 
 
 def variants(m: Layers):
@@ -174,20 +163,16 @@ def variants(m: Layers):
                 with torch.cuda.stream(chain):
                     halves_[name][0] = m.chain_out(i, o, res)
 
-            chain_in("A", 0)
-            attend("A")
-            chain_in("B", 0)
-            attend("B")
+            for name in ("A", "B"):
+                chain_in(name, 0)
+                attend(name)
             for i in range(LAYERS):
                 # attn B(i) runs while A finishes layer i and starts i + 1; then the other way round
-                chain_out("A", i)
-                if i + 1 < LAYERS:
-                    chain_in("A", i + 1)
-                    attend("A")
-                chain_out("B", i)
-                if i + 1 < LAYERS:
-                    chain_in("B", i + 1)
-                    attend("B")
+                for name in ("A", "B"):
+                    chain_out(name, i)
+                    if i + 1 < LAYERS:
+                        chain_in(name, i + 1)
+                        attend(name)
             torch.cuda.current_stream().wait_stream(chain)
             return torch.cat([halves_["A"][0], halves_["B"][0]]) + residual
         return run
@@ -202,7 +187,7 @@ def replay_us(graph) -> float:
 def main():
     print(torch.cuda.get_device_name(), torch.__version__)
     lo, hi = torch.cuda.Stream.priority_range() if hasattr(torch.cuda.Stream, "priority_range") else (0, -1)
-    print(f"stream priorities {lo}..{hi}; us per layer (graph replay / {LAYERS}), K/V read rate of the whole step")
+    print(f"stream priorities {lo}..{hi}; us per layer (graph replay / {LAYERS})")
     print("| cache | batch | whole | halves | free | pipe | pipe-hi | best vs whole | rel. error vs whole: halves, free, pipe, pipe-hi |")
     print("|---|---|---|---|---|---|---|---|---|")
     for fp8 in (False, True):
