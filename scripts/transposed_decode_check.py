@@ -13,14 +13,13 @@ values need no transpose.
 
     PYTHONPATH=. python scripts/transposed_decode_check.py
 """
-import math
-
 import torch
 from triton.testing import do_bench
 
 from nanovllm.kernels.paged_attention import paged_attention_ref, paged_decode_attention
 from nanovllm.kernels.triton_compat import tl, triton
-from scripts.fp8_kernel_check import HEAD_DIM, HEADS, KV_HEADS, SCALE, paged_case, relative_error
+from scripts.fp8_kernel_check import HEAD_DIM, KV_HEADS, SCALE, paged_case, relative_error
+from scripts.v_layout_check import launch_token_last
 
 
 @triton.jit
@@ -70,15 +69,9 @@ def _decode_t_kernel(q_ptr, k_cache_ptr, vt_cache_ptr, k_scale_ptr, v_scale_ptr,
 
 def decode_t(q, k_cache, vt_cache, lens, tables, k_scale, v_scale, tile=128, warps=4, stages=2, v_mask=0,
              maxnreg=None):
-    out = torch.empty_like(q)
     extra = {} if maxnreg is None else dict(maxnreg=maxnreg)
-    _decode_t_kernel[(KV_HEADS, q.shape[0])](
-        q, k_cache, vt_cache, k_scale, v_scale, tables, lens, out, SCALE * math.log2(math.e),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        vt_cache.stride(0), vt_cache.stride(1), tables.stride(0), GROUP=HEADS // KV_HEADS, BLOCK_G=16,
-        HEAD_DIM=HEAD_DIM, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=tile, V_MASK=v_mask, num_warps=warps,
-        num_stages=stages, **extra)
-    return out
+    return launch_token_last(_decode_t_kernel, q, k_cache, vt_cache, lens, tables, k_scale, v_scale, tile,
+                             V_MASK=v_mask, num_warps=warps, num_stages=stages, **extra)
 
 
 def main() -> None:

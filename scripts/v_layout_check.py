@@ -80,16 +80,24 @@ def _decode_vt_kernel(q_ptr, k_cache_ptr, vt_cache_ptr, k_scale_ptr, v_scale_ptr
              out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
 
 
-def decode_vt(q, k_cache, vt_cache, lens, tables, k_scale, v_scale, tile, warps, stages, v_mask):
+def launch_token_last(kernel, q, k_cache, vt_cache, lens, tables, k_scale, v_scale, tile, **options):
+    """Launch a decode kernel over keys stored token-major and values token-last, with the
+    signature of _decode_vt_kernel (one program per KV head and sequence); options are the
+    kernel's other constexprs and the launch options."""
     out = torch.empty_like(q)
-    fp8 = k_cache.dtype == FP8_DTYPE
-    _decode_vt_kernel[(KV_HEADS, q.shape[0])](
-        q, k_cache, vt_cache, k_scale if fp8 else q, v_scale if fp8 else q, tables, lens, out,
-        SCALE * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), vt_cache.stride(0), vt_cache.stride(1), tables.stride(0),
-        GROUP=HEADS // KV_HEADS, BLOCK_G=16, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=tile,
-        KV_FP8=fp8, V_MASK=v_mask, num_warps=warps, num_stages=stages)
+    kernel[(KV_HEADS, q.shape[0])](
+        q, k_cache, vt_cache, k_scale, v_scale, tables, lens, out, SCALE * math.log2(math.e),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        vt_cache.stride(0), vt_cache.stride(1), tables.stride(0), GROUP=HEADS // KV_HEADS, BLOCK_G=16,
+        HEAD_DIM=HEAD_DIM, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=tile, **options)
     return out
+
+
+def decode_vt(q, k_cache, vt_cache, lens, tables, k_scale, v_scale, tile, warps, stages, v_mask):
+    fp8 = k_cache.dtype == FP8_DTYPE
+    return launch_token_last(_decode_vt_kernel, q, k_cache, vt_cache, lens, tables, k_scale if fp8 else q,
+                             v_scale if fp8 else q, tile, KV_FP8=fp8, V_MASK=v_mask, num_warps=warps,
+                             num_stages=stages)
 
 
 def main() -> None:
