@@ -1,12 +1,11 @@
 """Decode attention with the register budget per thread capped (Triton's maxnreg), float8 cache,
 batch 64 and 256, query groups of 2 (Qwen3-0.6B) and 4 (Qwen3-8B): does occupancy bound the float8
 kernel? (193 registers per thread at the (128, 4, 2) tile allow 2 programs per SM; 168 allow 3,
-128 allow 4.) Also the variant that converts values before the shared-memory transpose.
+128 allow 4.) The variant that converted values before the shared-memory transpose, measured
+with it (docs/benchmarks.md), no longer applies: the kernel now reads float8 values in 16-bit words.
 
     PYTHONPATH=. python scripts/decode_regs_check.py [--wide]
 """
-import importlib.util
-import pathlib
 import sys
 
 import torch
@@ -21,26 +20,13 @@ TILES = ((128, 4, 2), (128, 4, 3), (64, 4, 2), (64, 4, 3), (128, 8, 2))
 REGISTERS = (None, 168, 128)
 
 
-def where_variant():
-    """paged_attention with `v = tl.where(kv_mask, v.to(q.dtype), 0.0)` in the decode loop."""
-    src = pathlib.Path(pa.__file__).read_text()
-    old = "            v = v.to(q.dtype)\n        l = l * alpha"
-    assert src.count(old) == 2   # the decode kernel first, then the prefill loop
-    path = pathlib.Path("/tmp/pa_where.py")
-    path.write_text(src.replace(old, "            v = tl.where(kv_mask, v.to(q.dtype), 0.0)\n        l = l * alpha", 1))
-    spec = importlib.util.spec_from_file_location("pa_where", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def main() -> None:
     global HEADS, TILES, REGISTERS
     if "--wide" in sys.argv:   # tiles with as many bytes as a 16-bit (128, 4, 2) tile, on 8 warps
         HEADS, REGISTERS = (16,), (None, 168, 128, 112, 96)
         TILES = ((128, 4, 2), (256, 8, 2), (256, 8, 3), (128, 8, 2), (128, 8, 3))
     print(torch.cuda.get_device_name(), torch.__version__)
-    variants = {"engine": pa, "where": where_variant()}
+    variants = {"engine": pa}
     pa_defaults = pa.FP8_DECODE_MAX_REGISTERS
     for batch in (64, 256):
         c = paged_case(batch, seed=batch)

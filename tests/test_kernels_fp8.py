@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from nanovllm.kernels import paged_attention
 from nanovllm.kernels.fp8 import (FP8_DTYPE, SCALE_FLOOR, check_kv_scales, dequantize_fp8, kv_scale_from_absmax,
                                   quantize_fp8)
 from nanovllm.kernels.paged_attention import (decode_num_splits, paged_attention_ref,
@@ -285,11 +286,9 @@ def test_paged_decode_attention_over_fp8_cache(block_size, head_dim, num_kv_head
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] != 9,
                     reason="the register cap is measured and applied on Hopper GPUs only")
 def test_fp8_decode_kernel_keeps_to_the_register_cap_on_hopper(monkeypatch):
-    """Uncapped, the float8 decode kernel takes 193 registers per thread at the default tile, and
+    """Uncapped, the float8 decode kernel took 193 registers per thread at the default tile, and
     two programs fit on an SM; capped it must take at most FP8_DECODE_MAX_REGISTERS without spilling.
     The 16-bit kernel keeps the compiler's choice."""
-    from nanovllm.kernels import paged_attention
-
     kernel, launches = paged_attention._decode_kernel, []
 
     class RecordingKernel:   # a launch returns the compiled kernel, which knows its registers
@@ -309,6 +308,32 @@ def test_fp8_decode_kernel_keeps_to_the_register_cap_on_hopper(monkeypatch):
     cap = paged_attention.FP8_DECODE_MAX_REGISTERS
     assert fp8_options["maxnreg"] == cap and fp8_kernel.n_regs <= cap and fp8_kernel.n_spills == 0
     assert "maxnreg" not in bf16_options
+
+
+@triton.jit
+def _unpack_words_kernel(words_ptr, even_ptr, odd_ptr, N: tl.constexpr, PTX: tl.constexpr):
+    i = tl.arange(0, N)
+    words = tl.load(words_ptr + i)
+    tl.store(even_ptr + i, paged_attention._e4m3_byte_to_f16(words, False, PTX))
+    tl.store(odd_ptr + i, paged_attention._e4m3_byte_to_f16(words, True, PTX))
+
+
+@needs_triton
+@pytest.mark.parametrize("ptx", [False] + ([True] if CUDA and torch.cuda.get_device_capability()[0] >= 9 else []),
+                         ids=lambda p: "ptx" if p else "shifts")
+def test_decode_kernel_reads_both_e4m3_bytes_of_every_16_bit_word(ptx):
+    """The decode kernel reads float8 values as 16-bit words of two (see _decode_kernel): every word,
+    all 256 x 256 byte pairs, must give torch's float16 of its first byte (the even dimension) and
+    of its second (the odd one). NaN codes too on the GPU; the interpreter's e4m3 -> float conversion is
+    right for the finite codes only, and the kernel never reads others (stores clamp, masks give 0)."""
+    values = torch.arange(256 * 256, dtype=torch.int32).to(torch.uint16).view(torch.int16).to(DEVICE)
+    even, odd = (torch.empty(values.shape, dtype=torch.float16, device=DEVICE) for _ in range(2))
+    _unpack_words_kernel[(1,)](values, even, odd, N=values.numel(), PTX=ptx)
+    expected = values.view(FP8_DTYPE).view(-1, 2).to(torch.float16)   # little-endian: byte 0 is the even one
+    checked = torch.ones_like(expected, dtype=torch.bool) if CUDA else ~expected.isnan()
+    for got, column in ((even, 0), (odd, 1)):
+        rows = checked[:, column]
+        torch.testing.assert_close(got[rows], expected[rows, column], rtol=0, atol=0, equal_nan=True)
 
 
 def test_decode_splits_for_fp8_ask_for_more_programs():

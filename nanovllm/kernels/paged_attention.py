@@ -9,6 +9,7 @@ For float8 a constexpr switches the same kernels to convert each tile in registe
 folds into the softmax scale and the value scale into the output, so neither costs a multiply per
 element. The products then run in float16 (float32 for float32 queries): e4m3 values convert to
 it exactly and in one instruction per pair, where bfloat16 would take a detour through float32.
+The decode kernel reads float8 values as 16-bit words of two dimensions (see _decode_kernel).
 
 The decode kernel gives one program to each (sequence, KV head, context split): it loads every
 K/V tile once for all query heads of its group, and long contexts can be split over several
@@ -69,6 +70,23 @@ def _kv_launch_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 @triton.jit
+def _e4m3_byte_to_f16(pairs, HIGH: tl.constexpr, PTX: tl.constexpr):
+    """The low (HIGH=False) or high byte of each 16-bit word, read as e4m3, in float16. With PTX two
+    words take one byte permute and one paired conversion, a fifth fewer instructions in the decode
+    loop than shifts and single conversions; the interpreter, which runs no PTX, takes the shifts."""
+    if PTX:   # prmt gathers bytes 1 and 3 (HIGH) or 0 and 2 of the two words into one 16-bit pair
+        if HIGH:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $1, 0, 0x3331; mov.b32 {lo, hi}, t; "
+                "cvt.rn.f16x2.e4m3x2 $0, lo; }", "=r,r", [pairs], dtype=tl.float16, is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $1, 0, 0x3320; mov.b32 {lo, hi}, t; "
+            "cvt.rn.f16x2.e4m3x2 $0, lo; }", "=r,r", [pairs], dtype=tl.float16, is_pure=True, pack=2)
+    byte = (pairs >> 8).to(tl.int8) if HIGH else pairs.to(tl.int8)
+    return byte.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr,
                    out_ptr, part_out_ptr, part_lse_ptr, scale_log2e, stride_q_seq, stride_q_head,
                    stride_out_seq, stride_out_head, stride_cache_block, stride_cache_token, stride_bt,
@@ -76,7 +94,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
                    HEADS_FASTEST: tl.constexpr, KV_FP8: tl.constexpr, SCALE_STRIDE: tl.constexpr,
-                   DOT_FP16: tl.constexpr, PDL: tl.constexpr):
+                   DOT_FP16: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     if HEADS_FASTEST:   # the KV heads of one token are adjacent in memory: read them together
         kv_head, split, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -104,15 +122,27 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    # A tile's offsets from its first slot do not change from tile to tile; only that slot does.
+    tile_offs = n[:, None] * stride_cache_token + d[None, :]
+    d_mask = d_mask[None, :]
+    if KV_FP8:
+        # p @ v wants values transposed (tokens adjacent). ldmatrix transposes 16-bit words; single
+        # bytes went through shared memory one load at a time, 40% of the loop's instructions. So
+        # float8 values are read as words of two adjacent dimensions, converted after the
+        # transpose, and the even and odd dimensions accumulate apart.
+        j = tl.arange(0, BLOCK_D // 2)
+        pair_offs = n[:, None] * (stride_cache_token // 2) + j[None, :]
+        pair_mask = (j < HEAD_DIM // 2)[None, :]
+        acc_even = tl.zeros([BLOCK_G, BLOCK_D // 2], tl.float32)
+        acc_odd = tl.zeros([BLOCK_G, BLOCK_D // 2], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for tile in range(first_tile, last_tile):
         token = tile * BLOCK_N               # a tile never straddles a block: BLOCK_SIZE % BLOCK_N == 0
         block = tl.load(block_tables_ptr + seq * stride_bt + token // BLOCK_SIZE).to(tl.int64)
+        first_slot = block * stride_cache_block + (token % BLOCK_SIZE) * stride_cache_token + kv_head * HEAD_DIM
         valid = token + n < context_len
-        offs = (block * stride_cache_block + (token % BLOCK_SIZE + n)[:, None] * stride_cache_token
-                + kv_head * HEAD_DIM + d[None, :])
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + first_slot + tile_offs, mask=valid[:, None] & d_mask, other=0.0)
         if KV_FP8:
             k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
@@ -120,17 +150,25 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
-        if KV_FP8:
-            v = v.to(q.dtype)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if KV_FP8:
+            pairs = tl.load(v_cache_ptr + first_slot // 2 + pair_offs, mask=valid[:, None] & pair_mask, other=0)
+            v_even = _e4m3_byte_to_f16(pairs, False, PTX).to(q.dtype)
+            v_odd = _e4m3_byte_to_f16(pairs, True, PTX).to(q.dtype)
+            p = p.to(q.dtype)
+            acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=PRECISION)
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=PRECISION)
+        else:
+            v = tl.load(v_cache_ptr + first_slot + tile_offs, mask=valid[:, None] & d_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
+    if KV_FP8:   # dimension 2i is acc_even[:, i], 2i + 1 is acc_odd[:, i]
+        acc = tl.reshape(tl.join(acc_even, acc_odd), [BLOCK_G, BLOCK_D])
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     if KV_FP8:   # values are stored divided by v_scale; every split's part is, so the combine stays linear
         out = out * tl.load(v_scale_ptr + kv_head * SCALE_STRIDE)
-    out_mask = head_mask[:, None] & d_mask[None, :]
+    out_mask = head_mask[:, None] & d_mask
     if NUM_SPLITS == 1:
         tl.store(out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -179,10 +217,11 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int,
 # (tokens per tile, warps, pipeline stages) of the decode kernel: the best of the H100 sweeps for a
 # 16-bit cache and, at batch 64 and 256, for a float8 one too (docs/benchmarks.md).
 DECODE_TILE = (128, 4, 2)
-# Left alone, the float8 decode kernel takes 193 registers per thread, which fits two programs on a
-# Hopper SM; at 168 three fit without spilling, and on an H100 the kernel runs 7% faster
-# (docs/benchmarks.md). A 16-bit cache keeps the compiler's choice: capping it made that kernel slower.
-# Other GPUs keep it too: the cap was measured on Hopper only.
+# Left alone, the float8 decode kernel took 193 registers per thread, which fits two programs on a
+# Hopper SM; at 168 three fit without spilling, and on an H100 the kernel ran 7% faster
+# (docs/benchmarks.md). Since it reads values in 16-bit words it stays within 168 by itself with
+# triton 3.6, and the cap keeps it there. A 16-bit cache keeps the compiler's choice: capping it made
+# that kernel slower. Other GPUs keep it too: the cap was measured on Hopper only.
 FP8_DECODE_MAX_REGISTERS = 168
 
 
@@ -213,6 +252,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_out = part_lse = out   # unused
     block_d = triton.next_power_of_2(head_dim)
     grid = (num_kv_heads, num_splits, num_seqs) if heads_fastest else (num_seqs, num_kv_heads, num_splits)
+    if kv_constexprs["KV_FP8"]:   # the kernel reads float8 values two at a time (see _decode_kernel)
+        v_cache = v_cache.view(torch.int16)
     _decode_kernel[grid](
         q, k_cache, v_cache, *scales, block_tables, context_lens, out, part_out, part_lse,
         scale * math.log2(math.e),
@@ -220,8 +261,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=min(tile_tokens, block_size),
         NUM_SPLITS=num_splits, PRECISION=_dot_precision(q.dtype), HEADS_FASTEST=heads_fastest, **kv_constexprs,
-        num_warps=num_warps, num_stages=num_stages, **_decode_registers(q, kv_constexprs["KV_FP8"]),
-        **pdl_launch(q))
+        PTX=cuda_major_capability(q) >= 9, num_warps=num_warps, num_stages=num_stages,
+        **_decode_registers(q, kv_constexprs["KV_FP8"]), **pdl_launch(q))
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),

@@ -1,0 +1,93 @@
+"""The decode attention kernel of this tree against an older checkout's, both in CUDA graphs as the
+decode step replays them, for a bfloat16 and a float8 cache at the engine's split choice; then the
+float8 kernel's register cap and pipeline stages swept. Checks every output against the torch twin.
+
+Shape: Qwen3-0.6B attention (16 query / 8 KV heads of 128, 256-token blocks), contexts uniform in
+[100, 2048]. Each graph holds 16 calls cycling over 4 distinct caches, so that no call finds its
+K/V in L2 from the call before.
+
+    PYTHONPATH=. python scripts/decode_kernel_ab.py BASE_DIR
+"""
+import importlib.util
+import pathlib
+import sys
+
+import torch
+
+import nanovllm.kernels.paged_attention as engine
+from nanovllm.kernels.fp8 import FP8_DTYPE
+from scripts.fp8_kernel_check import HEAD_DIM, KV_HEADS, SCALE, paged_case, relative_error
+from scripts.graph_timing import graph_of, replay_ms
+
+CALLS, CASES = 16, 4
+
+
+def load_base(directory: str):
+    path = pathlib.Path(directory) / "nanovllm/kernels/paged_attention.py"
+    spec = importlib.util.spec_from_file_location("base_paged_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def time_in_graph(module, cases: list[dict], fp8: bool, splits: int, **knobs) -> tuple[float, float]:
+    """(us per call, relative error of the first call against the twin)."""
+    def call(c):
+        k, v = (c["k8"], c["v8"]) if fp8 else (c["k"], c["v"])
+        scales = dict(k_scale=c["k_scale"], v_scale=c["v_scale"]) if fp8 else {}
+        return module.paged_decode_attention(c["q"], k, v, c["lens"], c["tables"], SCALE, num_splits=splits,
+                                             **knobs, **scales)
+
+    graph, outs = graph_of(lambda: [call(cases[i % len(cases)]) for i in range(CALLS)])
+    graph.replay()
+    torch.cuda.synchronize()
+    c = cases[0]
+    k, v = (c["k8"], c["v8"]) if fp8 else (c["k"], c["v"])
+    scales = dict(k_scale=c["k_scale"], v_scale=c["v_scale"]) if fp8 else {}
+    ref = engine.paged_attention_ref(c["q"], k, v, torch.arange(len(c["lens"]) + 1, device="cuda"), c["lens"],
+                                     c["tables"], SCALE, **scales)
+    return replay_ms(graph) * 1e3 / CALLS, relative_error(outs[0], ref)
+
+
+def main() -> None:
+    base = load_base(sys.argv[1])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(torch.cuda.get_device_name(), torch.__version__)
+    print("| batch | cache | splits | base | this tree | change | K/V read now | error base / now |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    sweeps = []
+    for batch in (16, 64, 128, 256):
+        cases = [paged_case(batch, seed=batch * 10 + i) for i in range(CASES)]
+        tokens = cases[0]["tokens"]
+        for fp8 in (True, False):
+            splits = engine.decode_num_splits(batch, KV_HEADS, sms, FP8_DTYPE if fp8 else torch.bfloat16)
+            rows = []
+            for module in (base, engine, base, engine):   # alternating, twice
+                rows.append(time_in_graph(module, cases, fp8, splits))
+            base_us = min(rows[0][0], rows[2][0])
+            now_us = min(rows[1][0], rows[3][0])
+            nbytes = tokens * KV_HEADS * HEAD_DIM * 2 * (1 if fp8 else 2)
+            print(f"| {batch} | {'fp8' if fp8 else 'bf16'} | {splits} | {rows[0][0]:.1f} / {rows[2][0]:.1f} us "
+                  f"| {rows[1][0]:.1f} / {rows[3][0]:.1f} us | {base_us / now_us - 1:+.1%} "
+                  f"| {nbytes / now_us / 1e3:,.0f} GB/s | {rows[0][1]:.1e} / {rows[1][1]:.1e} |", flush=True)
+            if fp8:
+                sweeps.append((batch, cases, splits))
+    print("\nfloat8, this tree: register cap and stages (us per call in a graph)")
+    print("| batch | splits | cap | stages 2 | stages 3 |")
+    print("| --- | --- | --- | --- | --- |")
+    default_cap = engine.FP8_DECODE_MAX_REGISTERS
+    for batch, cases, splits in sweeps:
+        for cap in (168, 128, None):
+            engine.FP8_DECODE_MAX_REGISTERS = cap
+            times = []
+            for stages in (2, 3):
+                try:
+                    times.append(f"{time_in_graph(engine, cases, True, splits, num_stages=stages)[0]:.1f}")
+                except Exception as e:   # out of shared memory or registers
+                    times.append(type(e).__name__)
+            print(f"| {batch} | {splits} | {cap} | {' | '.join(times)} |", flush=True)
+    engine.FP8_DECODE_MAX_REGISTERS = default_cap
+
+
+if __name__ == "__main__":
+    main()
