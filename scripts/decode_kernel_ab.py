@@ -8,26 +8,17 @@ K/V in L2 from the call before.
 
     PYTHONPATH=. python scripts/decode_kernel_ab.py BASE_DIR
 """
-import importlib.util
-import pathlib
 import sys
 
 import torch
 
 import nanovllm.kernels.paged_attention as engine
 from nanovllm.kernels.fp8 import FP8_DTYPE
+from scripts.base_checkout import load_base_module
 from scripts.fp8_kernel_check import HEAD_DIM, KV_HEADS, SCALE, paged_case, relative_error
 from scripts.graph_timing import graph_of, replay_ms
 
 CALLS, CASES = 16, 4
-
-
-def load_base(directory: str):
-    path = pathlib.Path(directory) / "nanovllm/kernels/paged_attention.py"
-    spec = importlib.util.spec_from_file_location("base_paged_attention", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def time_in_graph(module, cases: list[dict], fp8: bool, splits: int, **knobs) -> tuple[float, float]:
@@ -50,7 +41,7 @@ def time_in_graph(module, cases: list[dict], fp8: bool, splits: int, **knobs) ->
 
 
 def main() -> None:
-    base = load_base(sys.argv[1])
+    base = load_base_module(sys.argv[1], "nanovllm/kernels/paged_attention.py")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(torch.cuda.get_device_name(), torch.__version__)
     print("| batch | cache | splits | base | this tree | change | K/V read now | error base / now |")

@@ -6,25 +6,16 @@ are checked against each other (rotated q and k, the cache) before timing.
     PYTHONPATH=. python scripts/rotary_timing.py --base .base2
 """
 import argparse
-import importlib.util
-import pathlib
 
 import torch
 
 import nanovllm.kernels.rotary_embedding as here
 from nanovllm.kernels.fp8 import FP8_DTYPE
 from nanovllm.layers.rotary import RotaryEmbedding
+from scripts.base_checkout import load_base_module
 from scripts.graph_timing import graph_of, replay_ms
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, CALLS = 16, 8, 128, 256, 16
-
-
-def load_base(directory: str):
-    path = pathlib.Path(directory) / "nanovllm/kernels/rotary_embedding.py"
-    spec = importlib.util.spec_from_file_location("base_rotary", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def case(tokens: int, fp8: bool):
@@ -55,7 +46,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--base", required=True, help="an older checkout to compare with")
     args = parser.parse_args()
-    base = load_base(args.base)
+    base = load_base_module(args.base, "nanovllm/kernels/rotary_embedding.py")
     print(torch.cuda.get_device_name(), torch.__version__)
     print("| cache | tokens | base us | here us | outputs equal |")
     print("| --- | --- | --- | --- | --- |")
