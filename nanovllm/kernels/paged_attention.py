@@ -76,11 +76,11 @@ def _e4m3_byte_to_f16(pairs, HIGH: tl.constexpr, PTX: tl.constexpr):
     loop than shifts and single conversions; the interpreter, which runs no PTX, takes the shifts."""
     if PTX:   # prmt gathers bytes 1 and 3 (HIGH) or 0 and 2 of the two words into one 16-bit pair
         if HIGH:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $1, 0, 0x3331; mov.b32 {lo, hi}, t; "
-                "cvt.rn.f16x2.e4m3x2 $0, lo; }", "=r,r", [pairs], dtype=tl.float16, is_pure=True, pack=2)
+            select: tl.constexpr = "0x3331"
+        else:
+            select: tl.constexpr = "0x3320"
         return tl.inline_asm_elementwise(
-            "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $1, 0, 0x3320; mov.b32 {lo, hi}, t; "
+            "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $1, 0, " + select + "; mov.b32 {lo, hi}, t; "
             "cvt.rn.f16x2.e4m3x2 $0, lo; }", "=r,r", [pairs], dtype=tl.float16, is_pure=True, pack=2)
     byte = (pairs >> 8).to(tl.int8) if HIGH else pairs.to(tl.int8)
     return byte.to(tl.float8e4nv, bitcast=True).to(tl.float16)
@@ -124,7 +124,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
     l = tl.zeros([BLOCK_G], tl.float32)
     # A tile's offsets from its first slot do not change from tile to tile; only that slot does.
     tile_offs = n[:, None] * stride_cache_token + d[None, :]
-    d_mask = d_mask[None, :]
     if KV_FP8:
         # p @ v wants values transposed (tokens adjacent). ldmatrix transposes 16-bit words; single
         # bytes went through shared memory one load at a time, 40% of the loop's instructions. So
@@ -142,7 +141,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
         block = tl.load(block_tables_ptr + seq * stride_bt + token // BLOCK_SIZE).to(tl.int64)
         first_slot = block * stride_cache_block + (token % BLOCK_SIZE) * stride_cache_token + kv_head * HEAD_DIM
         valid = token + n < context_len
-        k = tl.load(k_cache_ptr + first_slot + tile_offs, mask=valid[:, None] & d_mask, other=0.0)
+        k = tl.load(k_cache_ptr + first_slot + tile_offs, mask=valid[:, None] & d_mask[None, :], other=0.0)
         if KV_FP8:
             k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
@@ -159,7 +158,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
             acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=PRECISION)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=PRECISION)
         else:
-            v = tl.load(v_cache_ptr + first_slot + tile_offs, mask=valid[:, None] & d_mask, other=0.0)
+            v = tl.load(v_cache_ptr + first_slot + tile_offs, mask=valid[:, None] & d_mask[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
@@ -168,7 +167,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     if KV_FP8:   # values are stored divided by v_scale; every split's part is, so the combine stays linear
         out = out * tl.load(v_scale_ptr + kv_head * SCALE_STRIDE)
-    out_mask = head_mask[:, None] & d_mask
+    out_mask = head_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         tl.store(out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
