@@ -21,11 +21,17 @@ from scripts.graph_timing import graph_of, replay_ms
 CALLS, CASES = 16, 4
 
 
+def cache_of(c: dict, fp8: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """A case's K and V caches in the given storage, and the scales a float8 one needs."""
+    if fp8:
+        return c["k8"], c["v8"], dict(k_scale=c["k_scale"], v_scale=c["v_scale"])
+    return c["k"], c["v"], {}
+
+
 def time_in_graph(module, cases: list[dict], fp8: bool, splits: int, **knobs) -> tuple[float, float]:
     """(us per call, relative error of the first call against the twin)."""
     def call(c):
-        k, v = (c["k8"], c["v8"]) if fp8 else (c["k"], c["v"])
-        scales = dict(k_scale=c["k_scale"], v_scale=c["v_scale"]) if fp8 else {}
+        k, v, scales = cache_of(c, fp8)
         return module.paged_decode_attention(c["q"], k, v, c["lens"], c["tables"], SCALE, num_splits=splits,
                                              **knobs, **scales)
 
@@ -33,8 +39,7 @@ def time_in_graph(module, cases: list[dict], fp8: bool, splits: int, **knobs) ->
     graph.replay()
     torch.cuda.synchronize()
     c = cases[0]
-    k, v = (c["k8"], c["v8"]) if fp8 else (c["k"], c["v"])
-    scales = dict(k_scale=c["k_scale"], v_scale=c["v_scale"]) if fp8 else {}
+    k, v, scales = cache_of(c, fp8)
     ref = engine.paged_attention_ref(c["q"], k, v, torch.arange(len(c["lens"]) + 1, device="cuda"), c["lens"],
                                      c["tables"], SCALE, **scales)
     return replay_ms(graph) * 1e3 / CALLS, relative_error(outs[0], ref)
