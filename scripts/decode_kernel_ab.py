@@ -1,12 +1,12 @@
 """The decode attention kernel of this tree against an older checkout's, both in CUDA graphs as the
-decode step replays them, for a bfloat16 and a float8 cache at the engine's split choice; then the
-float8 kernel's register cap and pipeline stages swept. Checks every output against the torch twin.
+decode step replays them, for a bfloat16 and a float8 cache at the engine's split choice; then this
+tree's kernel at every split count from batch 16 to 128. Checks every output against the torch twin.
 
 Shape: Qwen3-0.6B attention (16 query / 8 KV heads of 128, 256-token blocks), contexts uniform in
 [100, 2048]. Each graph holds 16 calls cycling over 4 distinct caches, so that no call finds its
 K/V in L2 from the call before.
 
-    PYTHONPATH=. python scripts/decode_kernel_ab.py BASE_DIR
+    PYTHONPATH=. python scripts/decode_kernel_ab.py [BASE_DIR]   # without BASE_DIR: the split sweep only
 """
 import sys
 
@@ -19,6 +19,7 @@ from scripts.fp8_kernel_check import HEAD_DIM, KV_HEADS, SCALE, paged_case, rela
 from scripts.graph_timing import graph_of, replay_ms
 
 CALLS, CASES = 16, 4
+SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
 def cache_of(c: dict, fp8: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -46,12 +47,16 @@ def time_in_graph(module, cases: list[dict], fp8: bool, splits: int, **knobs) ->
 
 
 def main() -> None:
-    base = load_base_module(sys.argv[1], "nanovllm/kernels/paged_attention.py")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(torch.cuda.get_device_name(), torch.__version__)
+    if len(sys.argv) > 1:
+        compare_with_base(load_base_module(sys.argv[1], "nanovllm/kernels/paged_attention.py"), sms)
+    sweep_splits(sms)
+
+
+def compare_with_base(base, sms: int) -> None:
     print("| batch | cache | splits | base | this tree | change | K/V read now | error base / now |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    sweeps = []
     for batch in (16, 64, 128, 256):
         cases = [paged_case(batch, seed=batch * 10 + i) for i in range(CASES)]
         tokens = cases[0]["tokens"]
@@ -66,23 +71,19 @@ def main() -> None:
             print(f"| {batch} | {'fp8' if fp8 else 'bf16'} | {splits} | {rows[0][0]:.1f} / {rows[2][0]:.1f} us "
                   f"| {rows[1][0]:.1f} / {rows[3][0]:.1f} us | {base_us / now_us - 1:+.1%} "
                   f"| {nbytes / now_us / 1e3:,.0f} GB/s | {rows[0][1]:.1e} / {rows[1][1]:.1e} |", flush=True)
-            if fp8:
-                sweeps.append((batch, cases, splits))
-    print("\nfloat8, this tree: register cap and stages (us per call in a graph)")
-    print("| batch | splits | cap | stages 2 | stages 3 |")
-    print("| --- | --- | --- | --- | --- |")
-    default_cap = engine.FP8_DECODE_MAX_REGISTERS
-    for batch, cases, splits in sweeps:
-        for cap in (168, 128, None):
-            engine.FP8_DECODE_MAX_REGISTERS = cap
-            times = []
-            for stages in (2, 3):
-                try:
-                    times.append(f"{time_in_graph(engine, cases, True, splits, num_stages=stages)[0]:.1f}")
-                except Exception as e:   # out of shared memory or registers
-                    times.append(type(e).__name__)
-            print(f"| {batch} | {splits} | {cap} | {' | '.join(times)} |", flush=True)
-    engine.FP8_DECODE_MAX_REGISTERS = default_cap
+
+
+def sweep_splits(sms: int) -> None:
+    print("\nthis tree: us per call in a graph by context splits")
+    print("| batch | cache | " + " | ".join(map(str, SPLITS)) + " | the engine's choice |")
+    print("| --- | --- | " + " | ".join("---" for _ in SPLITS) + " | --- |")
+    for batch in (16, 32, 48, 64, 96, 128):
+        cases = [paged_case(batch, seed=batch * 10 + i) for i in range(CASES)]
+        for fp8 in (True, False):
+            chosen = engine.decode_num_splits(batch, KV_HEADS, sms, FP8_DTYPE if fp8 else torch.bfloat16)
+            times = [f"{time_in_graph(engine, cases, fp8, s)[0]:.1f}" for s in SPLITS]
+            print(f"| {batch} | {'fp8' if fp8 else 'bf16'} | {' | '.join(times)} "
+                  f"| {chosen}: {time_in_graph(engine, cases, fp8, chosen)[0]:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@
 #   bash scripts/gpu_check.sh cuda-tests          # the engine's CPU tests again on CUDA (graphs on) (~9 min)
 #   bash scripts/gpu_check.sh fp8                 # FP8 kernel checks and timings, bench.py auto vs fp8 (~6 min)
 #   BASE=DIR bash scripts/gpu_check.sh speed      # bench.py 0.6B bf16 and fp8, 8B, here and in DIR alternating (~7 min)
+#   bash scripts/gpu_check.sh timeline            # bench.py bf16 and fp8, kernels and gaps of a decode step, split
+#                                                 # sweep of the decode kernel, FP8 engine tests (~7 min)
 #   bash scripts/gpu_check.sh sampling            # beam width 4 and n = 4 against separate requests (~2 min)
 #   bash scripts/gpu_check.sh moe                 # Qwen3-30B-A3B shape: floor, bench.py, MoE share of the step,
 #                                                 # kernel tiles at each batch (one H200: nvidia-h200) (~8 min)
@@ -133,6 +135,16 @@ if [ "$stage" = speed ]; then
     (cd "$tree" && python bench.py --config configs/qwen3-8b.json) 2>&1 | grep Throughput | sed "s|^|qwen3-8b $tree: |"
   done
   python scripts/bench_floor.py configs/qwen3-8b.json 2>&1 | grep floor
+fi
+if [ "$stage" = timeline ]; then
+  for kv in auto fp8; do
+    python bench.py --config configs/qwen3-0.6b.json --kv-cache-dtype $kv 2>&1 | grep Throughput | sed "s|^|qwen3-0.6b $kv: |"
+  done
+  for kv in auto fp8; do
+    python scripts/decode_timeline.py --kv-cache-dtype $kv 2>&1 | tee -a "$LOGS/timeline.log" | grep -v Loading
+  done
+  python scripts/decode_kernel_ab.py 2>&1 | tee "$LOGS/splits.log"
+  python -m pytest -q tests/test_fp8_kv.py 2>&1 | tee "$LOGS/pytest_fp8_kv.log" | tail -3
 fi
 if [ "$stage" = sampling ]; then
   python scripts/bench_parallel_sampling.py --config configs/qwen3-0.6b.json 2>&1 | tee "$LOGS/sampling.log" | grep -v Loading

@@ -20,6 +20,15 @@ KERNEL_GROUPS = [("attention", ("_decode_kernel", "_combine_splits", "_prefill_k
                  ("sampler", ("_chunk_summary", "_pick_token", "softmax", "argmax", "gather"))]
 
 
+def warmed_bench_engine(config: str, kv_cache_dtype: str, num_seqs: int) -> tuple[LLM, list, list]:
+    """An engine over random weights of a shape, after one warm-up request, and bench.py's requests."""
+    llm = LLM(cached_shape(config), load_format="dummy", kv_cache_dtype=kv_cache_dtype)
+    requests = bench_requests(num_seqs)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens) for _, max_tokens in requests]
+    llm.generate(["warm-up"], SamplingParams(), use_tqdm=False)
+    return llm, [prompt for prompt, _ in requests], params
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="configs/qwen3-0.6b.json")
@@ -27,11 +36,7 @@ def main():
     parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = parser.parse_args()
-    llm = LLM(cached_shape(args.config), load_format="dummy", kv_cache_dtype=args.kv_cache_dtype)
-    requests = bench_requests(args.num_seqs)
-    prompts = [prompt for prompt, _ in requests]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens) for _, max_tokens in requests]
-    llm.generate(["warm-up"], SamplingParams(), use_tqdm=False)
+    llm, prompts, params = warmed_bench_engine(args.config, args.kv_cache_dtype, args.num_seqs)
 
     # Events around every launched step, on one clock: a step's GPU time runs from when the device
     # reaches it (its start, or the previous step's end if later) to its end; a start after the
@@ -69,10 +74,12 @@ def main():
     kv_bytes_per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim * kv_itemsize
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     buckets = [(128, 256), (64, 127), (16, 63), (1, 15)]
-    for kind, num_seqs, context, start, end in marks:
+    idles = []                              # (ms, step index, kind, batch)
+    for index, (kind, num_seqs, context, start, end) in enumerate(marks):
         start_ms, end_ms = origin.elapsed_time(start), origin.elapsed_time(end)
         busy = (end_ms - max(start_ms, previous_end)) / 1e3
         totals[kind + " idle"] += max(0.0, start_ms - previous_end) / 1e3
+        idles.append((max(0.0, start_ms - previous_end), index, kind, num_seqs))
         totals[kind + " busy"] += busy
         counts[kind] += 1
         previous_end = end_ms
@@ -84,6 +91,11 @@ def main():
     for kind in ("prefill", "decode"):
         print(f"{kind:8s}: {counts[kind]:5d} steps, GPU busy {totals[kind + ' busy']:6.2f} s, "
               f"GPU idle before them (waiting for the host) {totals[kind + ' idle']:5.2f} s")
+    idles.sort(reverse=True)
+    print("longest waits for the host: " + ", ".join(f"{ms:.2f} ms before step {i} ({kind}, {n} seqs)"
+                                                     for ms, i, kind, n in idles[:8]))
+    print(f"waits over 0.2 ms: {sum(ms > 0.2 for ms, *_ in idles)} steps, {sum(ms for ms, *_ in idles if ms > 0.2):.1f} ms; "
+          f"shorter: {sum(ms for ms, *_ in idles if ms <= 0.2):.1f} ms")
     for low, high in buckets:
         seconds, nbytes = totals[low, high], totals[(low, high), "bytes"]
         print(f"  decode at batch {low:3d}-{high:3d}: {counts[low, high]:4d} steps, GPU busy {seconds:5.2f} s, "
