@@ -26,7 +26,6 @@ def main() -> None:
         HEADS, REGISTERS = (16,), (None, 168, 128, 112, 96)
         TILES = ((128, 4, 2), (256, 8, 2), (256, 8, 3), (128, 8, 2), (128, 8, 3))
     print(torch.cuda.get_device_name(), torch.__version__)
-    variants = {"engine": pa}
     pa_defaults = pa.FP8_DECODE_MAX_REGISTERS
     for batch in (64, 256):
         c = paged_case(batch, seed=batch)
@@ -37,22 +36,21 @@ def main() -> None:
             scales = dict(k_scale=c["k_scale"], v_scale=c["v_scale"])
             ref = pa.paged_attention_ref(q, k, v, cu, c["lens"], c["tables"], SCALE, **scales)
             nbytes = c["tokens"] * KV_HEADS * HEAD_DIM * 2 * k.element_size()
-            for name, module in variants.items():
-                for tile in TILES:
-                    for nreg in REGISTERS:
-                        module.FP8_DECODE_MAX_REGISTERS = nreg   # None: the compiler's choice
-                        fn = lambda: module.paged_decode_attention(q, k, v, c["lens"], c["tables"], SCALE, num_splits=1,
-                                                                   tile_tokens=tile[0], num_warps=tile[1],
-                                                                   num_stages=tile[2], **scales)
-                        try:
-                            err = relative_error(fn(), ref)
-                            ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
-                        except Exception as e:
-                            print(f"| {batch} | {heads} | {name} | {tile} | {nreg} | {type(e).__name__} |")
-                            continue
-                        print(f"| {batch} | {heads} | {name} | {tile} | {nreg} | {ms * 1e3:.1f} us | "
-                              f"{nbytes / ms / 1e6:,.0f} GB/s | {err:.1e} |", flush=True)
-                module.FP8_DECODE_MAX_REGISTERS = pa_defaults
+            for tile in TILES:
+                for nreg in REGISTERS:
+                    pa.FP8_DECODE_MAX_REGISTERS = nreg   # None: the compiler's choice
+                    fn = lambda: pa.paged_decode_attention(q, k, v, c["lens"], c["tables"], SCALE, num_splits=1,
+                                                           tile_tokens=tile[0], num_warps=tile[1],
+                                                           num_stages=tile[2], **scales)
+                    try:
+                        err = relative_error(fn(), ref)
+                        ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
+                    except Exception as e:
+                        print(f"| {batch} | {heads} | {tile} | {nreg} | {type(e).__name__} |")
+                        continue
+                    print(f"| {batch} | {heads} | {tile} | {nreg} | {ms * 1e3:.1f} us | "
+                          f"{nbytes / ms / 1e6:,.0f} GB/s | {err:.1e} |", flush=True)
+            pa.FP8_DECODE_MAX_REGISTERS = pa_defaults
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@ import torch
 
 from nanovllm import LLM
 from nanovllm.layers.sampler import SamplingTensors
-from nanovllm.worker.step_inputs import StepInputs
+from nanovllm.worker.step_inputs import StepInputs, padded_block_tables
 from nanovllm.utils.random_checkpoint import cached_random_checkpoint
-from scripts.profile_bench import KERNEL_GROUPS
+from scripts.profile_bench import group_of
 
 STEPS = 10
 
@@ -25,18 +25,11 @@ def decode_inputs(contexts: np.ndarray, block_size: int, vocab: int) -> StepInpu
     """One decode token per sequence, each sequence in its own blocks."""
     blocks = -(-contexts // block_size)
     first = np.concatenate(([0], np.cumsum(blocks)[:-1]))
-    tables = np.zeros((len(contexts), blocks.max()), dtype=np.int64)
-    for row, (start, n) in enumerate(zip(first, blocks)):
-        tables[row, :n] = np.arange(start, start + n)
+    tables = padded_block_tables([list(range(start, start + n)) for start, n in zip(first, blocks)])
     last = contexts - 1
     slots = tables[np.arange(len(contexts)), last // block_size] * block_size + last % block_size
     cu = np.arange(len(contexts) + 1)
     return StepInputs(False, np.random.randint(0, vocab, len(contexts)), last, slots, contexts, cu, tables, cu[1:] - 1)
-
-
-def group_of(name: str) -> str:
-    name = name.lower()
-    return next((g for g, keys in KERNEL_GROUPS if any(k.lower() in name for k in keys)), "other")
 
 
 def main():
@@ -76,13 +69,14 @@ def main():
         kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                          if e.device_type == torch.autograd.DeviceType.CUDA)
         busy, launches, gaps, gap_counts = defaultdict(float), defaultdict(int), defaultdict(float), defaultdict(int)
-        for (s0, e0, _), (s1, e1, name) in zip(kernels, kernels[1:]):
-            if s1 - e0 < 50:                  # inside a step; longer is the host between steps
-                gaps[group_of(name)] += s1 - e0
-                gap_counts[group_of(name)] += 1
-        for s, e, name in kernels:
-            busy[group_of(name)] += e - s
-            launches[group_of(name)] += 1
+        kernels = [(begin, finish, group_of(name)) for begin, finish, name in kernels]
+        for (_, previous_finish, _), (begin, _, group) in zip(kernels, kernels[1:]):
+            if begin - previous_finish < 50:  # inside a step; longer is the host between steps
+                gaps[group] += begin - previous_finish
+                gap_counts[group] += 1
+        for begin, finish, group in kernels:
+            busy[group] += finish - begin
+            launches[group] += 1
         kernel_us = sum(busy.values()) / STEPS
         gap_us = sum(gaps.values()) / STEPS
         print(f"\nbatch {batch} ({args.kv_cache_dtype} cache), mean context {contexts.mean():.0f}: step {wall_ms * 1e3:.0f} us "

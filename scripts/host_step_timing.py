@@ -26,7 +26,7 @@ def main():
     engine, prompts, params = warmed_bench_engine(args.config, args.kv_cache_dtype, args.num_seqs)
     steps, current = [], {}
 
-    def timed(owner, name: str):
+    def timed(owner, name: str) -> None:
         original = getattr(owner, name)
 
         def wrapper(*a, **k):
@@ -36,12 +36,10 @@ def main():
             finally:
                 current[name] = current.get(name, 0.0) + time.perf_counter() - start
         setattr(owner, name, wrapper)
-        return original
 
-    originals = [(engine.scheduler, "schedule", timed(engine.scheduler, "schedule")),
-                 (engine.model_runner, "launch", timed(engine.model_runner, "launch")),
-                 (engine, "_collect", timed(engine, "_collect")),
-                 (engine.model_runner, "_wait_for_device", timed(engine.model_runner, "_wait_for_device"))]
+    for owner, name in ((engine.scheduler, "schedule"), (engine.model_runner, "launch"), (engine, "_collect"),
+                        (engine.model_runner, "_wait_for_device")):
+        timed(owner, name)
     gc_start = {}
 
     def on_gc(phase, info):
@@ -67,12 +65,6 @@ def main():
     t0 = time.perf_counter()
     outputs = engine.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
-    if args.sync_debug:
-        torch.cuda.set_sync_debug_mode(0)
-    gc.callbacks.remove(on_gc)
-    for owner, name, original in originals:
-        setattr(owner, name, original)
-    engine._step = original_step
 
     tokens = sum(len(o["token_ids"]) for o in outputs)
     print(f"{tokens} tokens in {wall:.2f} s = {tokens / wall:,.0f} tok/s; {len(steps)} steps; "

@@ -24,6 +24,7 @@ from scripts.graph_timing import graph_of, replay_ms
 LAYERS, CASES = 16, 4
 HIDDEN, Q_SIZE, INTER = 1024, 2048, 3072
 CHUNK = 16384          # bytes per bulk prefetch
+PREFETCHES = ((16, 256 << 10), (48, 256 << 10), (96, 256 << 10), (48, 512 << 10))   # (sequences, bytes each)
 
 
 @triton.jit
@@ -51,9 +52,8 @@ def main() -> None:
                     down=torch.randn(HIDDEN, INTER)) for _ in range(LAYERS)]
     weights = [{name: (w * 0.02).to("cuda", torch.bfloat16) for name, w in layer.items()} for layer in weights]
     side = torch.cuda.Stream()
-    print("| batch | cache | splits | no prefetch | " + " | ".join(f"{n} seqs x {b >> 10} KB" for n, b in
-                                                                 ((16, 256 << 10), (48, 256 << 10), (96, 256 << 10),
-                                                                  (48, 512 << 10))) + " | outputs equal |")
+    print("| batch | cache | splits | no prefetch | " + " | ".join(f"{n} seqs x {b >> 10} KB" for n, b in PREFETCHES)
+          + " | outputs equal |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for batch in (16, 64, 128, 256):
         cases = [paged_case(batch, seed=batch * 10 + i) for i in range(CASES)]
@@ -87,8 +87,7 @@ def main() -> None:
                 return outs
 
             times, results = [], []
-            for num_seqs, bytes_per_seq in ((0, 0), (16, 256 << 10), (48, 256 << 10), (96, 256 << 10),
-                                            (48, 512 << 10)):
+            for num_seqs, bytes_per_seq in ((0, 0), *PREFETCHES):
                 graph, outs = graph_of(lambda: layers(num_seqs, bytes_per_seq))
                 times.append(replay_ms(graph) * 1e3 / LAYERS)
                 torch.cuda.synchronize()

@@ -20,6 +20,11 @@ KERNEL_GROUPS = [("attention", ("_decode_kernel", "_combine_splits", "_prefill_k
                  ("sampler", ("_chunk_summary", "_pick_token", "softmax", "argmax", "gather"))]
 
 
+def group_of(kernel_name: str) -> str:
+    name = kernel_name.lower()
+    return next((g for g, keys in KERNEL_GROUPS if any(k.lower() in name for k in keys)), "other")
+
+
 def warmed_bench_engine(config: str, kv_cache_dtype: str, num_seqs: int) -> tuple[LLM, list, list]:
     """An engine over random weights of a shape, after one warm-up request, and bench.py's requests."""
     llm = LLM(cached_shape(config), load_format="dummy", kv_cache_dtype=kv_cache_dtype)
@@ -78,8 +83,9 @@ def main():
     for index, (kind, num_seqs, context, start, end) in enumerate(marks):
         start_ms, end_ms = origin.elapsed_time(start), origin.elapsed_time(end)
         busy = (end_ms - max(start_ms, previous_end)) / 1e3
-        totals[kind + " idle"] += max(0.0, start_ms - previous_end) / 1e3
-        idles.append((max(0.0, start_ms - previous_end), index, kind, num_seqs))
+        idle_ms = max(0.0, start_ms - previous_end)
+        totals[kind + " idle"] += idle_ms / 1e3
+        idles.append((idle_ms, index, kind, num_seqs))
         totals[kind + " busy"] += busy
         counts[kind] += 1
         previous_end = end_ms
@@ -123,9 +129,7 @@ def kernel_breakdown(llm, label: str, steps: int, table: bool = False) -> None:
     total = sum(e.self_device_time_total for e in events)
     groups = defaultdict(float)
     for e in events:
-        name = e.key.lower()
-        group = next((g for g, keys in KERNEL_GROUPS if any(k.lower() in name for k in keys)), "other")
-        groups[group] += e.self_device_time_total
+        groups[group_of(e.key)] += e.self_device_time_total
     print(f"\n{label} window: {steps} steps, GPU kernel time {total / 1e3:.1f} ms ({total / 1e3 / steps:.2f} ms/step)")
     for group, us in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"  {group:10s} {us / 1e3:8.2f} ms  {100 * us / total:5.1f}%")
