@@ -34,6 +34,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture(self, model: nn.Module, backend: AttentionBackend, device: torch.device) -> None:
         input_ids, positions, slot_mapping, context_lens, block_tables = self._views(self.inputs)
+        slot_mapping.fill_(-1)      # the warm-ups and uploads below write no cache slot
         pool = None
         for size in reversed(self.sizes):
             metadata = backend.decode_metadata(slot_mapping[:size], context_lens[:size], block_tables[:size])
@@ -45,6 +46,11 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[size] = graph
             torch.cuda.synchronize(device)
+        # A graph's first launch also uploads it to the device while the host waits: do that now,
+        # not on the first step of each batch size.
+        for graph in self.graphs.values():
+            graph.replay()
+        torch.cuda.synchronize(device)
 
     def size_for(self, inputs: StepInputs) -> int:
         """The captured batch size that serves this step, or 0 to run it eagerly."""
