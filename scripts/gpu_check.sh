@@ -15,6 +15,8 @@
 #   BASE=DIR bash scripts/gpu_check.sh speed      # bench.py 0.6B bf16 and fp8, 8B, here and in DIR alternating (~7 min)
 #   bash scripts/gpu_check.sh timeline            # bench.py bf16 and fp8, kernels and gaps of a decode step, split
 #                                                 # sweep of the decode kernel, FP8 engine tests (~7 min)
+#   bash scripts/gpu_check.sh waits               # where the device waits for the host: profile_bench with CUDA's
+#                                                 # lazy and eager module loading, first graph replays (~3 min)
 #   bash scripts/gpu_check.sh sampling            # beam width 4 and n = 4 against separate requests (~2 min)
 #   bash scripts/gpu_check.sh moe                 # Qwen3-30B-A3B shape: floor, bench.py, MoE share of the step,
 #                                                 # kernel tiles at each batch (one H200: nvidia-h200) (~8 min)
@@ -145,6 +147,16 @@ if [ "$stage" = timeline ]; then
   done
   python scripts/decode_kernel_ab.py 2>&1 | tee "$LOGS/splits.log"
   python -m pytest -q tests/test_fp8_kv.py 2>&1 | tee "$LOGS/pytest_fp8_kv.log" | tail -3
+fi
+if [ "$stage" = waits ]; then
+  # are the decode waits first uses of library kernels (cuBLAS's for the LM head at a row count not
+  # seen before, say)? CUDA loads a kernel's module at its first use, with the host waiting, unless
+  # told to load every module at start-up
+  for loading in LAZY EAGER; do
+    CUDA_MODULE_LOADING=$loading python scripts/profile_bench.py 2>&1 | tee -a "$LOGS/waits.log" \
+      | grep -E "workload|idle|waits" | sed "s|^|$loading: |"
+  done
+  python scripts/graph_replay_timing.py 2>&1 | tee "$LOGS/graph_replay.log" | tail -2
 fi
 if [ "$stage" = sampling ]; then
   python scripts/bench_parallel_sampling.py --config configs/qwen3-0.6b.json 2>&1 | tee "$LOGS/sampling.log" | grep -v Loading
