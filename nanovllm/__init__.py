@@ -2,5 +2,6 @@
 from nanovllm.async_llm import AsyncLLM
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
+from nanovllm.structured_outputs import StructuredOutputsParams
 
-__all__ = ["AsyncLLM", "LLM", "SamplingParams", "BeamSearchParams"]
+__all__ = ["AsyncLLM", "LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams"]

@@ -1,6 +1,7 @@
 """How one request is sampled and when it stops; checked when it is made."""
 from dataclasses import dataclass
 
+from nanovllm.structured_outputs import StructuredOutputsParams
 from nanovllm.utils.validation import check_int, check_number
 
 MAX_LOGPROBS = 20
@@ -21,6 +22,7 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     logprobs: int | None = None        # chosen token's logprob plus this many top alternatives
+    structured_outputs: StructuredOutputsParams | None = None   # the output must match this
 
     def __post_init__(self):
         self.validate()
@@ -50,11 +52,15 @@ class SamplingParams:
             check_int("stop_token_ids", token_id, low=0)
         self.stop_token_ids = stop_ids
         self.temperature = float(self.temperature) if self.temperature >= GREEDY_BELOW else 0.0
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise TypeError("structured_outputs must be a StructuredOutputsParams, "
+                                f"got {type(self.structured_outputs).__name__}")
+            self.structured_outputs.validate()
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
-
 
 
 @dataclass(slots=True)
