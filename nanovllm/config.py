@@ -7,6 +7,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.models.model_config import ModelConfig
+from nanovllm.spec_decode.speculative_config import SpeculativeConfig
 from nanovllm.utils.validation import check_int, check_number
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -28,6 +29,7 @@ class Config:
     enforce_eager: bool = False
     kv_cache_dtype: str = "auto"          # "auto": the model's dtype; "fp8": float8 e4m3 with scales
     load_format: str = "auto"             # "auto": the safetensors files; "dummy": random weights (benchmarks)
+    speculative_config: dict | SpeculativeConfig | None = None   # e.g. {"method": "ngram", "num_speculative_tokens": 4}
     # Derived from the arguments and the checkpoint, not passed by users.
     hf_config: PretrainedConfig = field(init=False, repr=False)
     model_config: ModelConfig = field(init=False, repr=False)
@@ -52,6 +54,8 @@ class Config:
         self._check_sizes()
         self.torch_dtype = self._resolve_dtype()
         self.eos_token_ids = read_eos_token_ids(self.model, self.hf_config)
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
 
     def _check_device(self):
         if self.device not in ("auto", "cuda", "cpu"):

@@ -140,6 +140,16 @@ class BlockManager:
                 copies.append((block.block_id, seq.block_table[i]))
         return copies
 
+    def free_beyond(self, seq: Sequence, num_tokens: int) -> None:
+        """Return the blocks of seq's table past its first num_tokens tokens (reserved for proposals
+        that were rejected; what they hold is never read)."""
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:       # a block past the end is never full, so never cached
+                self.empty_blocks.append(block.block_id)
+
     def free(self, seq: Sequence) -> None:
         # Tail blocks are released first so they are evicted before the shared-looking head blocks.
         for block_id in reversed(seq.block_table):

@@ -23,6 +23,7 @@ from nanovllm.worker.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
+from nanovllm.spec_decode.ngram_proposer import NgramProposer
 
 Prompt = str | list[int]
 
@@ -63,7 +64,9 @@ class LLMEngine:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.model_runner = ModelRunner(config)
-        self.scheduler = Scheduler(config, self._new_block_manager())
+        spec = config.speculative_config
+        proposer = None if spec is None else NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.scheduler = Scheduler(config, self._new_block_manager(), proposer)
         # The host prepares step N+1 while the device runs step N, whose tokens it collects after.
         # Tensor-parallel workers need every step's token ids on the host first, so they do not.
         self.overlap = config.tensor_parallel_size == 1
@@ -183,6 +186,9 @@ class LLMEngine:
             "prefix_cache_hits": sched.prefix_cache_hits,
             "prompt_tokens": sched.num_prompt_tokens,
             "generation_tokens": sched.num_generation_tokens,
+            "spec_decode_num_drafts": sched.num_drafts,
+            "spec_decode_num_draft_tokens": sched.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": sched.num_accepted_tokens,
         }
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -235,14 +241,18 @@ class LLMEngine:
             raise
 
     def _step(self) -> list[Sequence]:
+        # proposals are made from every token so far: while speculating, no step overlaps the next
+        speculates = self.scheduler.speculates()
+        grown = self._collect() if speculates and self.in_flight else []
         batch = self.scheduler.schedule()
         launched = self.model_runner.launch(batch) if batch.seqs else None
-        grown = self._collect() if self.in_flight else []     # the step before, done meanwhile
+        grown += self._collect() if self.in_flight else []    # the step before, done meanwhile
         if launched is not None:
             self.scheduler.advance(batch)
             self.in_flight = launched
             # beams are chosen on the host before their next step: no overlap for a step with beams
-            if not self.overlap or any(seq.beam_search is not None for seq in launched.seqs):
+            if (not self.overlap or speculates or launched.draft_lens is not None
+                    or any(seq.beam_search is not None for seq in launched.seqs)):
                 grown += self._collect()
         self.num_prefill_tokens = batch.num_tokens if batch.is_prefill else 0
         self.num_decode_tokens = 0 if batch.is_prefill else batch.num_tokens
@@ -251,6 +261,8 @@ class LLMEngine:
     def _collect(self) -> list[Sequence]:
         """Wait for the step in flight and put its tokens in place; the sequences that got one."""
         step, self.in_flight = self.in_flight, None
+        if step.draft_lens is not None:
+            return self._collect_verified(step)
         token_ids, logprobs = self.model_runner.collect(step)
         beams = [row for row, seq in enumerate(step.seqs) if seq.beam_search is not None]
         if beams:
@@ -267,6 +279,17 @@ class LLMEngine:
             if seq.is_finished:
                 self._store_output_if_done(seq.request_id)
         return grown
+
+    def _collect_verified(self, step: LaunchedStep) -> list[Sequence]:
+        token_ids, logprobs, num_accepted = self.model_runner.collect_verified(step)
+
+        def after_token(seq: Sequence) -> None:
+            if seq.sampling_params.stop:
+                self._apply_stop_strings(seq)
+            if seq.is_finished:
+                self._store_output_if_done(seq.request_id)
+        return self.scheduler.fill_verified(step.seqs, token_ids, logprobs, num_accepted, step.draft_lens,
+                                            after_token)
 
     def _propose_beams(self, seqs: list[Sequence], rows: list[int], logprobs: list[dict[int, float]]) -> None:
         """Record each beam's candidates; choose for every beam search whose live beams all have."""

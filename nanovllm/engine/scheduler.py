@@ -10,13 +10,25 @@ tokens are back: advance (what the step computes, with a pending token per sampl
 fill (the tokens, and the stops they cause). When a step is lost (an exception or Ctrl-C in the
 engine loop), `reset` takes every sequence back to the queue as a preemption would: pending tokens
 are dropped and everything is recomputed, so no state of the lost step survives.
+
+With a proposer (speculative decoding), a decode step may verify proposed tokens: a sequence with
+k proposals computes k + 1 positions, for which blocks are reserved before the step; once the
+step's tokens are back, the accepted proposals count as computed and blocks beyond the sequence's
+end go back to the pool (fill_verified). Proposals need every token on the host, so the engine
+collects each step before scheduling the next while the batch is small enough to speculate.
 """
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+# Speculation steps aside above this many running sequences: a large decode batch is no longer
+# bound by reading the weights, so verifying proposals stops being free. A first guess, to be
+# replaced by the measurement of scripts/spec_verify_timing.py on the GPU.
+SPECULATION_MAX_RUNNING = 32
 
 
 @dataclass(slots=True)
@@ -25,6 +37,7 @@ class ScheduledBatch:
     num_new_tokens: list[int]   # tokens each sequence computes this step
     is_prefill: bool
     block_copies: list[tuple[int, int]] = field(default_factory=list)   # (source, destination) before it
+    draft_token_ids: list[list[int]] | None = None   # decode: each sequence's proposals to verify
 
     @property
     def num_tokens(self) -> int:
@@ -39,7 +52,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: Config, block_manager: BlockManager):
+    def __init__(self, config: Config, block_manager: BlockManager, proposer=None):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -51,6 +64,11 @@ class Scheduler:
         # cumulative counters, for metrics
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.prefix_cache_queries = self.prefix_cache_hits = 0    # prompt tokens looked up / found
+        # speculative decoding: proposer.propose(token_ids, k) -> up to k guesses of the next tokens
+        self.proposer = proposer
+        spec = config.speculative_config
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -153,7 +171,34 @@ class Scheduler:
                 elif popped < i:
                     i -= 1
         batch.num_new_tokens = [1] * len(batch.seqs)
+        if self.speculates():
+            self._add_drafts(batch)
         return batch
+
+    def speculates(self) -> bool:
+        """Will a decode step now verify proposals? (The engine then collects every step first.)"""
+        return self.proposer is not None and len(self.running) <= SPECULATION_MAX_RUNNING
+
+    def _add_drafts(self, batch: ScheduledBatch) -> None:
+        """Ask the proposer for each decoding sequence and reserve blocks for what it proposes; a
+        sequence whose blocks do not fit decodes plainly (speculation never preempts)."""
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens - len(batch.seqs)
+        drafts = [[] for _ in batch.seqs]
+        for i, seq in enumerate(batch.seqs):
+            if seq.pending_row is not None or seq.beam_search is not None:
+                continue
+            # at most k, and never past max_tokens or max_model_len with the token sampled after them
+            k = min(self.num_speculative_tokens, budget, self.max_model_len - seq.num_tokens - 1,
+                    seq.sampling_params.max_tokens - seq.num_completion_tokens - 1)
+            proposal = self.proposer.propose(seq.token_ids, k) if k > 0 else []
+            if proposal and bm.can_allocate(seq, seq.num_tokens + len(proposal)):
+                bm.allocate(seq, seq.num_tokens + len(proposal))
+                drafts[i] = proposal
+                batch.num_new_tokens[i] += len(proposal)
+                budget -= len(proposal)
+        if any(drafts):
+            batch.draft_token_ids = drafts
 
     def _preempt_idle(self) -> int:
         """Preempt the newest running sequence that has nothing to compute (a beam waiting for its
@@ -180,6 +225,8 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.is_finished:                         # stopped by the step before, whose tokens came late
                 continue
+            if not batch.is_prefill:
+                n = 1                                   # proposals count once accepted (fill_verified)
             before = seq.num_computed_tokens
             seq.num_computed_tokens += n
             if before // block_size != seq.num_computed_tokens // block_size:
@@ -205,6 +252,33 @@ class Scheduler:
             reason = self._stop_reason(seq)
             if reason:
                 self.finish(seq, reason)
+        return grown
+
+    def fill_verified(self, seqs: list[Sequence], token_ids: list[list[int]],
+                      logprobs: list[list[dict[int, float] | None]], num_accepted: list[int],
+                      num_drafts: list[int], after_token: Callable[[Sequence], None]) -> list[Sequence]:
+        """fill for a verify step: each sequence gets its accepted proposals and one more token, one
+        at a time (after_token applies the engine's stop strings), so that nothing follows a stop.
+        Returns the sequences that received tokens."""
+        grown = []
+        for seq, tokens, token_logprobs, accepted, drafted in zip(seqs, token_ids, logprobs, num_accepted, num_drafts):
+            if seq.is_finished:
+                continue
+            if drafted:
+                self.num_drafts += 1
+                self.num_draft_tokens += drafted
+                self.num_accepted_tokens += accepted
+            for token, token_logprob in zip(tokens, token_logprobs):
+                self.fill([seq], [token], [token_logprob])
+                after_token(seq)
+                if seq.is_finished:
+                    break
+            grown.append(seq)
+            if not seq.is_finished:
+                before = seq.num_computed_tokens
+                seq.num_computed_tokens += accepted
+                self.block_manager.cache_computed_blocks(seq, before)
+                self.block_manager.free_beyond(seq, seq.num_tokens)
         return grown
 
     def _stop_reason(self, seq: Sequence) -> str | None:

@@ -26,6 +26,8 @@ from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from nanovllm.models.registry import build_model
+from nanovllm.spec_decode.rejection_sampler import rejection_sample
+from nanovllm.spec_decode.verify_inputs import build_verify_tensors, verify_rows
 from nanovllm.utils.loader import load_model
 from nanovllm.worker.cuda_graph import DecodeGraphs
 from nanovllm.worker.kv_cache import KVCache, cpu_budget_bytes
@@ -41,6 +43,8 @@ class LaunchedStep:
     seqs: list[Sequence]
     out: SamplerOutput | None = None
     done: torch.cuda.Event | None = None
+    draft_lens: list[int] | None = None          # a verify step: proposals per sequence; out has a
+    num_accepted: torch.Tensor | None = None     # row per position, and these were accepted
 
 
 @contextlib.contextmanager
@@ -224,15 +228,30 @@ class ModelRunner:
         seqs = batch.sampled_seqs()
         if not seqs:
             return LaunchedStep(seqs)
-        out = self.sampler(logits, self.prepare_sampling(seqs))
-        self.last_token_ids = out.token_ids      # the next step reads its pending tokens from here
         to_host = lambda t: None if t is None else t.to("cpu", non_blocking=True)  # noqa: E731
-        host = SamplerOutput(to_host(out.token_ids), to_host(out.logprobs), to_host(out.top_logprobs),
-                             to_host(out.top_token_ids))
-        done = torch.cuda.Event() if self.is_cuda else None
-        if done is not None:
-            done.record()
-        return LaunchedStep(seqs, host, done)
+        if batch.draft_token_ids is not None:
+            out, num_accepted = self._verify(logits, seqs, batch.draft_token_ids)
+            step = LaunchedStep(seqs, draft_lens=list(map(len, batch.draft_token_ids)),
+                                num_accepted=to_host(num_accepted))
+        else:
+            out = self.sampler(logits, self.prepare_sampling(seqs))
+            self.last_token_ids = out.token_ids      # the next step reads its pending tokens from here
+            step = LaunchedStep(seqs)
+        step.out = SamplerOutput(to_host(out.token_ids), to_host(out.logprobs), to_host(out.top_logprobs),
+                                 to_host(out.top_token_ids))
+        step.done = torch.cuda.Event() if self.is_cuda else None
+        if step.done is not None:
+            step.done.record()
+        return step
+
+    def _verify(self, logits: torch.Tensor, seqs: list[Sequence],
+                drafts: list[list[int]]) -> tuple[SamplerOutput, torch.Tensor]:
+        """Rejection-sample a verify step's rows (spec_decode/rejection_sampler.py)."""
+        row_seqs, positions = verify_rows(seqs, drafts)
+        sampling = build_sampling_tensors(row_seqs, self.config.model_config.vocab_size, self.config.eos_token_ids,
+                                          self.unseeded, self._host_to_device, positions)
+        verify = build_verify_tensors(seqs, drafts, self.unseeded, self._host_to_device)
+        return rejection_sample(logits, sampling, verify)
 
     def _execute_with_workers(self, inputs: StepInputs) -> torch.Tensor | None:
         """Send a step to the workers and run rank 0's share. A Ctrl-C waits until the step is done
@@ -256,6 +275,21 @@ class ModelRunner:
             return [], []
         self._wait_for_device(step.done)
         return step.out.token_ids.tolist(), logprobs_by_row(step.out, step.seqs)
+
+    def collect_verified(self, step: LaunchedStep) -> tuple[list[list[int]], list[list[dict[int, float] | None]],
+                                                            list[int]]:
+        """Wait for a verify step; each sequence's tokens (accepted proposals, then one more), their
+        logprobs (entries None where not asked), and how many proposals were accepted."""
+        self._wait_for_device(step.done)
+        row_seqs, _ = verify_rows(step.seqs, [[0] * n for n in step.draft_lens])
+        row_tokens, row_logprobs = step.out.token_ids.tolist(), logprobs_by_row(step.out, row_seqs)
+        num_accepted = step.num_accepted.tolist()
+        tokens, logprobs, start = [], [], 0
+        for drafted, accepted in zip(step.draft_lens, num_accepted):
+            tokens.append(row_tokens[start:start + accepted + 1])
+            logprobs.append(row_logprobs[start:start + accepted + 1])
+            start += drafted + 1
+        return tokens, logprobs, num_accepted
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:

@@ -11,7 +11,10 @@ from nanovllm.layers.sampler import SamplerOutput, SamplingTensors
 
 def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: tuple[int, ...],
                            unseeded: np.random.Generator,
-                           to_device: Callable[[np.ndarray], torch.Tensor]) -> SamplingTensors:
+                           to_device: Callable[[np.ndarray], torch.Tensor],
+                           offsets: list[int] | None = None) -> SamplingTensors:
+    """One row per entry of seqs. A verify step lists a sequence once per position it samples, with
+    `offsets` saying how many tokens past its current count each row stands."""
     params = [seq.sampling_params for seq in seqs]
     values = np.array([(p.temperature, p.top_p, p.min_p) for p in params], dtype=np.float64)
     temperatures, top_p, min_p = values.T
@@ -22,7 +25,7 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids:
     for row, p in enumerate(params):   # most rows ask for none of these; skip them cheaply
         if p.seed is None and not p.min_tokens and p.logprobs is None:
             continue
-        num_generated = seqs[row].num_completion_tokens
+        num_generated = seqs[row].num_completion_tokens + (offsets[row] if offsets else 0)
         if p.seed is not None and not all_greedy:
             # a seeded sequence's noise depends only on its seed, its index among the request's
             # n completions, and how many tokens it has made

@@ -55,7 +55,7 @@ def padded_block_tables(tables: list[list[int]]) -> np.ndarray:
 def build_step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
     seqs = batch.seqs
     block_tables = padded_block_tables([seq.block_table for seq in seqs])
-    if not batch.is_prefill:     # one token per sequence, its last; every sequence samples
+    if not batch.is_prefill and batch.draft_token_ids is None:   # one token per sequence, its last; all sample
         lens_and_tokens = np.array([(seq.num_tokens, seq.token_ids[-1] if seq.pending_row is None
                                      else pending_token_marker(seq.pending_row)) for seq in seqs], dtype=np.int64)
         context_lens, input_ids = lens_and_tokens[:, 0], lens_and_tokens[:, 1]
@@ -64,15 +64,24 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
         cu_seqlens_q = np.arange(len(seqs) + 1)
         return StepInputs(False, input_ids, positions, slot_mapping, context_lens, cu_seqlens_q, block_tables,
                           cu_seqlens_q[:-1], np.array(batch.block_copies, dtype=np.int64).reshape(-1, 2))
+    # a prefill chunk, or a verify step: each sequence's last token and its proposals, like a short
+    # chunk over its cached blocks, sampling at every position
+    drafts = batch.draft_token_ids or [[]] * len(seqs)
     q_lens = np.array(batch.num_new_tokens, dtype=np.int64)
     starts = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)
     context_lens = starts + q_lens
     cu_seqlens_q = np.zeros(len(seqs) + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu_seqlens_q[1:])
-    input_ids = np.concatenate([step_token_ids(seq, a, a + n) for seq, a, n in zip(seqs, starts, q_lens)])
+    input_ids = np.concatenate([step_token_ids(seq, a, a + n - len(d)) + d
+                                for seq, a, n, d in zip(seqs, starts, q_lens, drafts)])
     positions = np.arange(cu_seqlens_q[-1]) - np.repeat(cu_seqlens_q[:-1] - starts, q_lens)
     seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
     slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-    completes_prompt = context_lens == np.array([seq.num_tokens for seq in seqs])
+    if batch.draft_token_ids is not None:
+        logits_indices = np.arange(cu_seqlens_q[-1])
+        block_copies = np.array(batch.block_copies, dtype=np.int64).reshape(-1, 2)
+    else:
+        completes_prompt = context_lens == np.array([seq.num_tokens for seq in seqs])
+        logits_indices, block_copies = cu_seqlens_q[1:][completes_prompt] - 1, np.zeros((0, 2), np.int64)
     return StepInputs(True, input_ids.astype(np.int64), positions, slot_mapping, context_lens,
-                      cu_seqlens_q, block_tables, cu_seqlens_q[1:][completes_prompt] - 1)
+                      cu_seqlens_q, block_tables, logits_indices, block_copies)
