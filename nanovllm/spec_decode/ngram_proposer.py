@@ -1,6 +1,9 @@
 """Prompt lookup: propose the tokens that followed the latest earlier occurrence of the sequence's
 last n tokens (n from prompt_lookup_max down to prompt_lookup_min) in its prompt and output so far.
-No model runs; repetitive text (code edits, quoting the prompt, lists) is guessed well."""
+No model runs; repetitive text (code edits, quoting the prompt, lists) is guessed well.
+
+When fewer than k tokens follow the match, the copy goes on over its own proposals: a match p
+tokens back says the text repeats with period p, so a run of one token proposes k more of it."""
 import numpy as np
 
 
@@ -19,5 +22,6 @@ class NgramProposer:
             hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if len(hits):
                 start = int(hits[-1]) + n          # the token after the latest match
-                return token_ids[start:start + k]
+                period = num_tokens - start
+                return [token_ids[start + j % period] for j in range(k)]
         return []
