@@ -374,3 +374,44 @@ def test_sampled_outputs_follow_the_plain_engines_distribution(base, spec, eos_m
         support = sorted(set(a) | set(b))
         table = [[a.count(t) for t in support], [b.count(t) for t in support]]
         assert chi2_contingency(table).pvalue > 1e-3, (position, table)
+
+
+# ---- serving -------------------------------------------------------------------------------------
+
+def test_async_llm_streams_speculated_tokens(base, eos_model):
+    """AsyncLLM with speculative_config (engine on a thread of this process): the stream's deltas
+    add up to the plain engine's output, some deltas hold several tokens, and stats count drafts."""
+    import asyncio
+
+    from nanovllm import AsyncLLM
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    llm = AsyncLLM(eos_model[0], engine_process=False, **ENGINE, speculative_config=NGRAM)
+    try:
+        async def stream():
+            return [out async for out in llm.generate(LOOP_PROMPT, params)]
+        outs = asyncio.run(asyncio.wait_for(stream(), timeout=120))
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+    expected = base.generate([LOOP_PROMPT], params, use_tqdm=False)[0]
+    assert [t for o in outs for t in o["delta_token_ids"]] == expected["token_ids"]
+    assert "".join(o["delta_text"] for o in outs) == expected["text"]
+    assert max(len(o["delta_token_ids"]) for o in outs) > 1
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_metrics_and_serve_flag(spec):
+    from prometheus_client import generate_latest
+
+    from nanovllm.serve.cli import parse_args
+    from nanovllm.serve.metrics import ServerMetrics
+    spec.generate([LOOP_PROMPT], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    stats = spec.stats()
+    text = generate_latest(ServerMetrics(spec.stats, "tiny").registry).decode()
+    for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+        assert stats[name] > 0
+        assert f'nanovllm:{name}_total{{model_name="tiny"}} {float(stats[name])}' in text
+    _, engine_args = parse_args(["model", "--speculative-config", json.dumps(NGRAM)])
+    assert engine_args["speculative_config"] == NGRAM
+    with pytest.raises(SystemExit):
+        parse_args(["model", "--speculative-config", "{ngram"])

@@ -459,8 +459,10 @@ class LLMEngine:
                     prefill_rate = self.num_prefill_tokens / elapsed
                 elif self.num_decode_tokens:     # (a last step may only collect the one before)
                     decode_rate = self.num_decode_tokens / elapsed
-                bar.set_postfix_str(f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s",
-                                    refresh=False)
+                postfix = f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s"
+                if self.scheduler.num_draft_tokens:
+                    postfix += f", accepted {self.scheduler.num_accepted_tokens / self.scheduler.num_draft_tokens:.0%}"
+                bar.set_postfix_str(postfix, refresh=False)
                 done = [request_id for request_id in self.finished_outputs if request_id in wanted]
                 for request_id in done:
                     outputs[request_id] = self._take_output(request_id)

@@ -6,6 +6,7 @@ and exit with status 0.
 """
 import argparse
 import contextlib
+import json
 import signal
 import sys
 import typing
@@ -26,7 +27,20 @@ def _flag_type(field) -> type:
     if field.default is not None and field.default is not MISSING:
         return type(field.default)
     args = [a for a in typing.get_args(field.type) if a is not type(None)]
+    if args and args[0] is dict:
+        return _json_object
     return args[0] if args else str
+
+
+def _json_object(text: str) -> dict:
+    """A flag whose value is a JSON object, e.g. --speculative-config '{"method": "ngram", ...}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

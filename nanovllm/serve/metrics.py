@@ -30,7 +30,11 @@ class EngineStatsCollector(Collector):
         counters = [("prompt_tokens", "Prompt tokens processed.", "prompt_tokens"),
                     ("generation_tokens", "Tokens generated.", "generation_tokens"),
                     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
-                    ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", "prefix_cache_hits")]
+                    ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", "prefix_cache_hits"),
+                    ("spec_decode_num_drafts", "Sequence steps that verified proposed tokens.", "spec_decode_num_drafts"),
+                    ("spec_decode_num_draft_tokens", "Proposed tokens verified.", "spec_decode_num_draft_tokens"),
+                    ("spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                     "spec_decode_num_accepted_tokens")]
         for name, doc, key in gauges:
             metric = GaugeMetricFamily(f"nanovllm:{name}", doc, labels=list(self.labels))
             metric.add_metric(list(self.labels.values()), float(stats.get(key, 0)))
