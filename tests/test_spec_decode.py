@@ -63,6 +63,50 @@ def test_ngram_proposer_takes_the_longest_suffix_and_its_latest_match():
     assert proposer.propose([7, 7], 3) == [7, 7, 7]
 
 
+# ---- the scheduler's reservation and release of slots, without a model ---------------------------
+
+class FixedProposer:
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        return self.tokens[:k]
+
+
+def test_scheduler_reserves_slots_for_proposals_and_returns_the_unused():
+    from types import SimpleNamespace
+
+    from nanovllm.engine.block_manager import BlockManager
+    from nanovllm.engine.scheduler import Scheduler
+    from nanovllm.engine.sequence import Sequence
+    config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, eos_token_ids=(1,))
+    sched = Scheduler(config, BlockManager(8, 4), FixedProposer([7, 8, 9, 10, 11]), num_speculative_tokens=5)
+    seq = Sequence([3, 4, 5], SamplingParams(temperature=0, max_tokens=20))
+    sched.add(seq)
+    prefill = sched.schedule()
+    sched.advance(prefill)
+    sched.fill(prefill.seqs, [6])                       # 4 tokens, 3 computed: one block
+    batch = sched.schedule()
+    assert batch.draft_token_ids == [[7, 8, 9, 10, 11]] and batch.num_new_tokens == [6]
+    assert len(seq.block_table) == 3                    # positions up to 8 (3 + 1 + 5 - 1) reserved
+    sched.advance(batch)
+    assert seq.num_computed_tokens == 4                 # the proposals count only once accepted
+    grown = sched.fill_verified([seq], [[7, 8, 5]], [[None] * 3], [2], [5], lambda s: None)
+    assert grown == [seq] and seq.token_ids == [3, 4, 5, 6, 7, 8, 5]
+    assert seq.num_computed_tokens == 6 and len(seq.block_table) == 2    # the third block went back
+    assert sched.block_manager.num_used_blocks == 2
+    assert (sched.num_drafts, sched.num_draft_tokens, sched.num_accepted_tokens) == (1, 5, 2)
+    # 4 tokens made of max_tokens 7: 2 proposals (and the token after them) at most; a stop id among
+    # a step's tokens ends the sequence there
+    seq.sampling_params.max_tokens, seq.sampling_params.stop_token_ids = 7, [8]
+    batch = sched.schedule()
+    assert batch.draft_token_ids == [[7, 8]]
+    sched.advance(batch)
+    sched.fill_verified([seq], [[7, 8, 9]], [[None] * 3], [2], [2], lambda s: None)
+    assert seq.token_ids[-2:] == [7, 8] and seq.finish_reason == "stop"
+    assert sched.block_manager.num_used_blocks == 0
+
+
 # ---- the rejection sampler on fixed logits -------------------------------------------------------
 
 def verify_rows_of(num_seqs: int, drafts: list[int]) -> VerifyTensors:

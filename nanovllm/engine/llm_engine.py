@@ -65,8 +65,12 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.model_runner = ModelRunner(config)
         spec = config.speculative_config
-        proposer = None if spec is None else NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        self.scheduler = Scheduler(config, self._new_block_manager(), proposer)
+        if spec is None:
+            self.scheduler = Scheduler(config, self._new_block_manager())
+        else:
+            self.scheduler = Scheduler(config, self._new_block_manager(),
+                                       NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max),
+                                       spec.num_speculative_tokens)
         # The host prepares step N+1 while the device runs step N, whose tokens it collects after.
         # Tensor-parallel workers need every step's token ids on the host first, so they do not.
         self.overlap = config.tensor_parallel_size == 1

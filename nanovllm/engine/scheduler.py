@@ -52,7 +52,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: Config, block_manager: BlockManager, proposer=None):
+    def __init__(self, config: Config, block_manager: BlockManager, proposer=None, num_speculative_tokens: int = 0):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -66,8 +66,7 @@ class Scheduler:
         self.prefix_cache_queries = self.prefix_cache_hits = 0    # prompt tokens looked up / found
         # speculative decoding: proposer.propose(token_ids, k) -> up to k guesses of the next tokens
         self.proposer = proposer
-        spec = config.speculative_config
-        self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.num_speculative_tokens = num_speculative_tokens
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
 
     def add(self, seq: Sequence) -> None:
