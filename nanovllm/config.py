@@ -56,6 +56,20 @@ class Config:
         self.eos_token_ids = read_eos_token_ids(self.model, self.hf_config)
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+            if self.speculative_config.model is not None:
+                self._check_draft_model()
+
+    def _check_draft_model(self):
+        """A draft must be a family we run, with the target's vocabulary (proposals are token ids)."""
+        spec = self.speculative_config
+        try:
+            draft = ModelConfig.from_hf(load_hf_config(os.path.expanduser(spec.model),
+                                                       needs_weights=self.load_format == "auto"))
+        except ValueError as error:
+            raise ValueError(f"speculative_config: draft {error}") from None
+        if draft.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens) differs "
+                             f"from the target's ({self.model_config.vocab_size})")
 
     def _check_device(self):
         if self.device not in ("auto", "cuda", "cpu"):

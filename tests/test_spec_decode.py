@@ -54,13 +54,13 @@ def test_good_speculative_config(model_paths):
 def test_ngram_proposer_takes_the_longest_suffix_and_its_latest_match():
     proposer = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=3)
     # suffix [1, 2, 3] occurs at 0 (followed by 9) and at 5 (followed by 7 8): the latest wins
-    assert proposer.propose([1, 2, 3, 9, 4, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]
+    assert proposer.propose_tokens([1, 2, 3, 9, 4, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]
     # no 3-gram match; the 2-gram [5, 6] matched at 0 beats the later 1-gram [6] at 6
-    assert proposer.propose([5, 6, 1, 2, 4, 4, 6, 3, 5, 6], 3) == [1, 2, 4]
-    assert proposer.propose([1, 2, 3, 4], 2) == []                          # nothing repeats
-    assert proposer.propose([4, 1, 2, 4], 5) == [1, 2, 4, 1, 2]             # fewer follow: the period goes on
-    assert NgramProposer(2, 3).propose([4, 1, 2, 4], 2) == []               # below prompt_lookup_min
-    assert proposer.propose([7, 7], 3) == [7, 7, 7]
+    assert proposer.propose_tokens([5, 6, 1, 2, 4, 4, 6, 3, 5, 6], 3) == [1, 2, 4]
+    assert proposer.propose_tokens([1, 2, 3, 4], 2) == []                          # nothing repeats
+    assert proposer.propose_tokens([4, 1, 2, 4], 5) == [1, 2, 4, 1, 2]             # fewer follow: the period goes on
+    assert NgramProposer(2, 3).propose_tokens([4, 1, 2, 4], 2) == []               # below prompt_lookup_min
+    assert proposer.propose_tokens([7, 7], 3) == [7, 7, 7]
 
 
 # ---- the scheduler's reservation and release of slots, without a model ---------------------------
@@ -69,8 +69,8 @@ class FixedProposer:
     def __init__(self, tokens: list[int]):
         self.tokens = tokens
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        return self.tokens[:k]
+    def propose(self, seqs, ks: list[int]) -> list[list[int]]:
+        return [self.tokens[:k] for k in ks]
 
 
 def test_scheduler_reserves_slots_for_proposals_and_returns_the_unused():
@@ -386,11 +386,14 @@ class GreedyProposer:
         self.model = model
 
     @torch.no_grad()
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        ids = list(token_ids)
-        for _ in range(k):
-            ids.append(int(self.model(torch.tensor([ids])).logits[0, -1].argmax()))
-        return ids[len(token_ids):]
+    def propose(self, seqs, ks: list[int]) -> list[list[int]]:
+        proposals = []
+        for seq, k in zip(seqs, ks):
+            ids = list(seq.token_ids)
+            for _ in range(k):
+                ids.append(int(self.model(torch.tensor([ids])).logits[0, -1].argmax()))
+            proposals.append(ids[len(seq.token_ids):])
+        return proposals
 
 
 def test_sampled_outputs_follow_the_plain_engines_distribution(base, spec, eos_model):
@@ -459,3 +462,43 @@ def test_metrics_and_serve_flag(spec):
     assert engine_args["speculative_config"] == NGRAM
     with pytest.raises(SystemExit):
         parse_args(["model", "--speculative-config", "{ngram"])
+
+
+# ---- a draft model -------------------------------------------------------------------------------
+
+def edited_copy(source: str, destination: str, **changes) -> str:
+    shutil.copytree(source, destination, dirs_exist_ok=True)
+    with open(os.path.join(destination, "config.json")) as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(os.path.join(destination, "config.json"), "w") as f:
+        json.dump(config, f)
+    return destination
+
+
+def test_bad_draft_models(model_paths, tmp_path):
+    target = model_paths["gqa_tied"]
+    for draft, words in ((edited_copy(target, str(tmp_path / "vocab"), vocab_size=600), "vocabulary"),
+                         (edited_copy(target, str(tmp_path / "family"), architectures=["GPT2LMHeadModel"]), "GPT2"),
+                         (str(tmp_path / "missing"), "not a local directory")):
+        with pytest.raises(ValueError, match="speculative_config") as error:
+            Config.from_engine_args(target, speculative_config={"model": draft, "num_speculative_tokens": 2})
+        assert words in str(error.value)
+    with pytest.raises(ValueError, match="speculative_config: unknown key"):
+        Config.from_engine_args(target, speculative_config={"model": target, "num_speculative_tokens": 2,
+                                                            "prompt_lookup_max": 3})
+
+
+def test_draft_model_keeps_greedy_outputs(base, eos_model, model_paths):
+    """A draft of another shape (same vocabulary) changes nothing; the target itself as its own
+    draft has every proposal accepted."""
+    prompts = mixed_prompts(500, lengths=(12, 40, 3), seed=8) + [EOS_PROMPT]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    expected = base.generate(prompts, params, use_tqdm=False)
+    for draft, least_accepted in ((model_paths["mha_untied"], 0.0), (eos_model[0], 0.99)):
+        llm = LLM(eos_model[0], **ENGINE, speculative_config={"model": draft, "num_speculative_tokens": 3})
+        assert_same_outputs(expected, llm.generate(prompts, params, use_tqdm=False))
+        drafts, draft_tokens, accepted = spec_counts(llm)
+        assert drafts >= len(prompts) and accepted >= least_accepted * draft_tokens
+        assert_no_blocks_held(llm)
+        llm.shutdown()

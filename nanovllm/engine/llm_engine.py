@@ -23,6 +23,7 @@ from nanovllm.worker.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
+from nanovllm.spec_decode.draft_proposer import DraftProposer
 from nanovllm.spec_decode.ngram_proposer import NgramProposer
 
 Prompt = str | list[int]
@@ -63,14 +64,13 @@ class LLMEngine:
         config = Config.from_engine_args(model, **engine_args)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-        self.model_runner = ModelRunner(config)
         spec = config.speculative_config
-        if spec is None:
-            self.scheduler = Scheduler(config, self._new_block_manager())
-        else:
-            self.scheduler = Scheduler(config, self._new_block_manager(),
-                                       NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max),
-                                       spec.num_speculative_tokens)
+        # a draft model first: its memory comes out of what the target then sizes its KV pool from
+        proposer = None if spec is None else (DraftProposer(config) if spec.model is not None else
+                                              NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max))
+        self.model_runner = ModelRunner(config)
+        self.scheduler = Scheduler(config, self._new_block_manager(), proposer,
+                                   0 if spec is None else spec.num_speculative_tokens)
         # The host prepares step N+1 while the device runs step N, whose tokens it collects after.
         # Tensor-parallel workers need every step's token ids on the host first, so they do not.
         self.overlap = config.tensor_parallel_size == 1
@@ -99,6 +99,8 @@ class LLMEngine:
         if self.model_runner is not None:
             self.model_runner.close()
             self.model_runner = self.in_flight = None
+            if self.scheduler.proposer is not None:
+                self.scheduler.proposer.close()
 
     def __enter__(self) -> "LLMEngine":
         return self
@@ -342,6 +344,8 @@ class LLMEngine:
     def _recover(self) -> None:
         self.in_flight = None
         self.scheduler.reset()
+        if self.scheduler.proposer is not None:
+            self.scheduler.proposer.reset()
         if self.model_runner.needs_restart:
             self._restart_model_runner()
         for request_id in list(self.requests):        # finished, but the step broke off before its output

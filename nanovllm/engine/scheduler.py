@@ -64,7 +64,7 @@ class Scheduler:
         # cumulative counters, for metrics
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.prefix_cache_queries = self.prefix_cache_hits = 0    # prompt tokens looked up / found
-        # speculative decoding: proposer.propose(token_ids, k) -> up to k guesses of the next tokens
+        # speculative decoding: proposer.propose(seqs, ks) -> up to ks[i] guesses of seqs[i]'s next tokens
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
@@ -183,19 +183,26 @@ class Scheduler:
         sequence whose blocks do not fit decodes plainly (speculation never preempts)."""
         bm = self.block_manager
         budget = self.max_num_batched_tokens - len(batch.seqs)
-        drafts = [[] for _ in batch.seqs]
+        rows, ks = [], []
         for i, seq in enumerate(batch.seqs):
             if seq.pending_row is not None or seq.beam_search is not None:
                 continue
             # at most k, and never past max_tokens or max_model_len with the token sampled after them
             k = min(self.num_speculative_tokens, budget, self.max_model_len - seq.num_tokens - 1,
                     seq.sampling_params.max_tokens - seq.num_completion_tokens - 1)
-            proposal = self.proposer.propose(seq.token_ids, k) if k > 0 else []
+            if k > 0:
+                rows.append(i)
+                ks.append(k)
+                budget -= k
+        if not rows:
+            return
+        drafts = [[] for _ in batch.seqs]
+        for i, proposal in zip(rows, self.proposer.propose([batch.seqs[i] for i in rows], ks)):
+            seq = batch.seqs[i]
             if proposal and bm.can_allocate(seq, seq.num_tokens + len(proposal)):
                 bm.allocate(seq, seq.num_tokens + len(proposal))
                 drafts[i] = proposal
                 batch.num_new_tokens[i] += len(proposal)
-                budget -= len(proposal)
         if any(drafts):
             batch.draft_token_ids = drafts
 

@@ -6,12 +6,23 @@ When fewer than k tokens follow the match, the copy goes on over its own proposa
 tokens back says the text repeats with period p, so a run of one token proposes k more of it."""
 import numpy as np
 
+from nanovllm.engine.sequence import Sequence
+
 
 class NgramProposer:
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        return [self.propose_tokens(seq.token_ids, k) for seq, k in zip(seqs, ks)]
+
+    def reset(self) -> None:
+        """Nothing to forget: proposals come from the tokens alone."""
+
+    def close(self) -> None:
+        pass
+
+    def propose_tokens(self, token_ids: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier match of the longest suffix that has one."""
         num_tokens = len(token_ids)
         if k < 1 or num_tokens < self.min_n + 1:
