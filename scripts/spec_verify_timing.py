@@ -7,9 +7,10 @@
 2. A draft's cost per proposal: one decode step of the draft shape (default Qwen3-0.6B) at the same
    batches, and from 1 and 2 the expected time per output token at acceptance rates 0.5..0.9.
 3. End to end at batch 1: time per output token of greedy generation with n-gram speculation and
-   without it (the same engine, its proposer switched off), with the acceptance rate printed.
-   Random weights rarely repeat themselves, so pass --model with a real checkpoint to see n-gram
-   acceptance on repetitive output.
+   without it (the same engine, its proposer switched off), and with the draft shape as a draft
+   model, each with its acceptance rate. Random weights rarely repeat themselves and a random draft
+   never agrees with a random target, so pass --model (and --draft-model) with real checkpoints to
+   see acceptance; with random weights the draft row shows the draft's overhead.
 
     PYTHONPATH=. python scripts/spec_verify_timing.py
     PYTHONPATH=. python scripts/spec_verify_timing.py --model ~/huggingface/Qwen3-8B
@@ -24,6 +25,7 @@ def parse_args():
     parser.add_argument("--config", default="configs/qwen3-8b.json", help="target shape (random weights)")
     parser.add_argument("--draft-config", default="configs/qwen3-0.6b.json", help="draft shape (random weights)")
     parser.add_argument("--model", default=None, help="a real target checkpoint for the end-to-end part")
+    parser.add_argument("--draft-model", default=None, help="a real draft checkpoint for the end-to-end part")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--batches", default="1,4,16,64")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="k of the end-to-end part")
@@ -115,27 +117,42 @@ def main():
             cells.append(f"a={a}: ngram {ngram:.2f} draft {drafted:.2f}")
         print(f"batch {batch:3d} ({decode_ms[batch]:.2f}): " + " | ".join(cells))
 
+    from nanovllm.utils.random_checkpoint import cached_shape
+    k = args.num_speculative_tokens
+    draft_model = args.draft_model or cached_shape(args.draft_config)
+    print(f"\nend to end, batch 1, {args.output_len} tokens, greedy:")
+    llm = load(args.model or args.config, max_model_len=max_len, max_num_seqs=8,
+               speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    proposer = llm.scheduler.proposer
+    for name, use in (("plain", None), (f"ngram k={k}", proposer)):
+        llm.scheduler.proposer = use
+        time_per_token(llm, name, args)
+    release(llm)
+    if args.model and not args.draft_model:
+        print("(a real target needs a real --draft-model: the draft row is skipped)")
+        return
+    llm = load(args.model or args.config, max_model_len=max_len, max_num_seqs=8,
+               speculative_config={"model": draft_model, "num_speculative_tokens": k})
+    time_per_token(llm, f"draft k={k}", args)
+    release(llm)
+
+
+def time_per_token(llm, name: str, args) -> None:
+    """One batch-1 greedy generation on a repetitive prompt (after a warm-up): ms per output token."""
     from nanovllm import SamplingParams
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
-    llm = load(args.model or args.config, max_model_len=max_len, max_num_seqs=8, speculative_config=spec)
     words = "one two three four five six seven eight nine ten " * 12
     prompt = llm.tokenizer.encode(f"Repeat this list exactly, ten more times: {words}")[-args.context // 2:]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    proposer = llm.scheduler.proposer
-    print(f"\nend to end, batch 1, {len(prompt)}-token prompt, {args.output_len} tokens, greedy:")
-    for name, use in (("plain", None), (f"ngram k={args.num_speculative_tokens}", proposer)):
-        llm.scheduler.proposer = use
-        llm.generate([prompt], params, use_tqdm=False)                    # warm-up
-        before = llm.stats()
-        start = time.perf_counter()
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        elapsed = time.perf_counter() - start
-        after = llm.stats()
-        drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
-        accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
-        rate = f", acceptance {accepted / drafted:.0%} of {drafted} proposals" if drafted else ""
-        print(f"{name:>12}: {1000 * elapsed / len(out['token_ids']):.3f} ms per output token{rate}")
-    release(llm)
+    llm.generate([prompt], params, use_tqdm=False)
+    before = llm.stats()
+    start = time.perf_counter()
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    elapsed = time.perf_counter() - start
+    after = llm.stats()
+    drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    rate = f", acceptance {accepted / drafted:.0%} of {drafted} proposals" if drafted else ""
+    print(f"{name:>12}: {1000 * elapsed / len(out['token_ids']):.3f} ms per output token{rate}")
 
 
 if __name__ == "__main__":
