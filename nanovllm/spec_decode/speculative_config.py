@@ -34,7 +34,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: num_speculative_tokens is required")
         if method == "draft_model":
             if not isinstance(config.get("model"), str):
-                raise ValueError(f"speculative_config: model must be a checkpoint directory, got {config.get('model')!r}")
+                raise ValueError("speculative_config: model must be a checkpoint directory, "
+                                 f"got {config.get('model')!r}")
             values = {"num_speculative_tokens": config["num_speculative_tokens"]}
         else:
             values = {key: config.get(key, default) for key, default in
