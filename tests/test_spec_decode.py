@@ -220,6 +220,14 @@ def test_greedy_rows_accept_while_the_argmax_matches():
     out, num_accepted = rejection_sample(logits, sampling, verify)
     assert num_accepted.tolist() == [2, 1]
     assert out.token_ids[:3].tolist() == [2, 2, 2] and out.token_ids[4:6].tolist() == [7, 7]
+    # beside sampled rows: the second sequence at temperature 1 on a point mass at 7 keeps its
+    # first proposal, rejects 3 (probability e^-50) and emits 7 in its place
+    logits[4:] = torch.tensor([0.0] * 7 + [50.0])
+    verify.uniforms = torch.full((8,), 0.5)
+    sampling = SamplingTensors(torch.tensor([0.0] * 4 + [1.0] * 4), distinct_seeds(8))
+    out, num_accepted = rejection_sample(logits, sampling, verify)
+    assert num_accepted.tolist() == [2, 1]
+    assert out.token_ids[:3].tolist() == [2, 2, 2] and out.token_ids[4:6].tolist() == [7, 7]
 
 
 # ---- engines -------------------------------------------------------------------------------------
@@ -319,16 +327,20 @@ def test_a_repetitive_output_is_mostly_accepted(spec):
     assert drafts < 60 / 3
 
 
-def test_chunked_prefill_and_preemption_keep_outputs(base, eos_model):
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_chunked_prefill_and_preemption_keep_outputs(base, eos_model, proposer):
     """A pool of 16 blocks of 16 tokens for six prompts of 39-69 tokens growing by 24: chunks of
-    32 tokens, and preemptions with proposals' blocks reserved."""
+    32 tokens (a draft model catches up in chunks too), and preemptions with proposals' blocks
+    reserved."""
+    config = NGRAM if proposer == "ngram" else {"model": eos_model[0], "num_speculative_tokens": 3}
     tight = LLM(eos_model[0], kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=256,
-                max_num_seqs=8, max_num_batched_tokens=32, speculative_config=NGRAM)
+                max_num_seqs=8, max_num_batched_tokens=32, speculative_config=config)
     prompts = [p * 3 for p in mixed_prompts(500, lengths=(15, 20, 23, 14, 18, 13), seed=9)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
     assert_same_outputs(base.generate(prompts, params, use_tqdm=False), tight.generate(prompts, params, use_tqdm=False))
     assert tight.scheduler.num_preemptions > 0 and spec_counts(tight)[2] > 0
     assert_no_blocks_held(tight)
+    tight.shutdown()
 
 
 def test_prefix_hits_and_n_greater_than_one(base, spec):
