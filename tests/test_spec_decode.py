@@ -135,8 +135,7 @@ def verify_rows_of(num_seqs: int, drafts: list[int]) -> VerifyTensors:
     """num_seqs sequences, each proposing `drafts`, rows laid out as in a verify step."""
     k = len(drafts)
     return VerifyTensors(torch.tensor(drafts + [-1]).repeat(num_seqs), torch.arange(num_seqs).repeat_interleave(k + 1),
-                         torch.arange(k + 1).repeat(num_seqs),
-                         torch.rand(num_seqs * (k + 1), generator=torch.Generator().manual_seed(3)), num_seqs)
+                         torch.arange(k + 1).repeat(num_seqs), num_seqs)
 
 
 def row_sampling(rows: int, temperature: float, salt: int = 0, **filters) -> SamplingTensors:
@@ -215,7 +214,7 @@ def test_rejection_sampler_emits_the_target_distribution(settings, drafts):
 def test_greedy_rows_accept_while_the_argmax_matches():
     logits = torch.tensor([LOGITS_8] * 4 + [[0.0] * 7 + [5.0]] * 4)      # argmax 2, then argmax 7
     verify = VerifyTensors(torch.tensor([2, 2, 1, -1, 7, 3, 7, -1]), torch.tensor([0] * 4 + [1] * 4),
-                           torch.tensor([0, 1, 2, 3] * 2), torch.zeros(8), 2)
+                           torch.tensor([0, 1, 2, 3] * 2), 2)
     sampling = SamplingTensors(torch.zeros(8), torch.zeros(8, dtype=torch.int64), all_greedy=True)
     out, num_accepted = rejection_sample(logits, sampling, verify)
     assert num_accepted.tolist() == [2, 1]
@@ -223,7 +222,6 @@ def test_greedy_rows_accept_while_the_argmax_matches():
     # beside sampled rows: the second sequence at temperature 1 on a point mass at 7 keeps its
     # first proposal, rejects 3 (probability e^-50) and emits 7 in its place
     logits[4:] = torch.tensor([0.0] * 7 + [50.0])
-    verify.uniforms = torch.full((8,), 0.5)
     sampling = SamplingTensors(torch.tensor([0.0] * 4 + [1.0] * 4), distinct_seeds(8))
     out, num_accepted = rejection_sample(logits, sampling, verify)
     assert num_accepted.tolist() == [2, 1]
@@ -430,28 +428,42 @@ class GreedyProposer:
 
 
 def test_sampled_outputs_follow_the_plain_engines_distribution(base, spec, eos_model):
-    """Seeded requests at temperature 1 with top_k and top_p: the tokens at each position are
-    distributed alike with and without speculation (a chi-square test of two independent samples)."""
+    """Seeded requests at temperature 1 with top_k and top_p, verifying a perfect greedy draft's
+    proposals (some kept, some not): each emits exactly the plain engine's tokens for its seed (the
+    verify step draws each position with the plain sampler's noise), and the tokens at each
+    position are distributed as the plain engine's under other seeds (a chi-square test of two
+    independent samples)."""
     from transformers import AutoModelForCausalLM
     num_requests, num_tokens = 192, 3
     params = [SamplingParams(temperature=1.0, top_k=4, top_p=0.95, seed=s, max_tokens=num_tokens, ignore_eos=True)
-              for s in range(num_requests)]
-    plain = [o["token_ids"] for o in base.generate([LOOP_PROMPT] * num_requests, params, use_tqdm=False)]
+              for s in range(2 * num_requests)]
+    plain = [o["token_ids"] for o in base.generate([LOOP_PROMPT] * 2 * num_requests, params, use_tqdm=False)]
     proposer = spec.scheduler.proposer
     spec.scheduler.proposer = GreedyProposer(AutoModelForCausalLM.from_pretrained(eos_model[0]).eval())
     try:
         before = spec_counts(spec)
-        for p in params:      # other seeds: the two samples are independent
-            p.seed += num_requests
-        speculated = [o["token_ids"] for o in spec.generate([LOOP_PROMPT] * num_requests, params, use_tqdm=False)]
+        speculated = [o["token_ids"] for o in spec.generate([LOOP_PROMPT] * num_requests, params[:num_requests],
+                                                            use_tqdm=False)]
         drafts, draft_tokens, accepted = (a - b for a, b in zip(spec_counts(spec), before))
     finally:
         spec.scheduler.proposer = proposer
     assert drafts >= num_requests and 0.1 * draft_tokens < accepted < 0.9 * draft_tokens
+    assert speculated == plain[:num_requests]
     for position in range(num_tokens):
-        a = [tokens[position] for tokens in plain]
+        a = [tokens[position] for tokens in plain[num_requests:]]
         b = [tokens[position] for tokens in speculated]
         assert homogeneity(a, b) > 1e-3, (position, a, b)
+
+
+def test_seeded_outputs_equal_the_plain_engines(base, spec):
+    """n-gram proposals on a repetitive output at temperature 0.8 with top_p, n=2, logprobs: every
+    seeded completion, its logprobs and finish reason are the plain engine's."""
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, n=2, max_tokens=24, ignore_eos=True, logprobs=2)
+              for s in range(4)]
+    before = spec_counts(spec)
+    got = spec.generate([LOOP_PROMPT] * 4, params, use_tqdm=False)
+    assert spec_counts(spec)[2] > before[2]
+    assert_same_outputs(base.generate([LOOP_PROMPT] * 4, params, use_tqdm=False), got)
 
 
 # ---- serving -------------------------------------------------------------------------------------

@@ -250,7 +250,7 @@ class ModelRunner:
         row_seqs, positions = verify_rows(seqs, drafts)
         sampling = build_sampling_tensors(row_seqs, self.config.model_config.vocab_size, self.config.eos_token_ids,
                                           self.unseeded, self._host_to_device, positions)
-        verify = build_verify_tensors(seqs, drafts, self.unseeded, self._host_to_device)
+        verify = build_verify_tensors(drafts, positions, self._host_to_device)
         return rejection_sample(logits, sampling, verify)
 
     def _execute_with_workers(self, inputs: StepInputs) -> torch.Tensor | None:
