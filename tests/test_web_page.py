@@ -1,7 +1,8 @@
 """The chat page (GET /) in a real browser: Debian's headless chromium, driven by Selenium, against
 live `nanovllm serve` processes of the demo model on the CPU. What the page sent is read from the
 browser's own network log, what the server did from /metrics, and the answers are judged against
-the `openai` client asking the same server the same conversation."""
+the `openai` client asking the same server the same conversation. With NANOVLLM_SCREENSHOT_DIR set,
+the screenshot of the page answering goes there too (docs/web_page.png is made so)."""
 import json
 import os
 import shutil
@@ -39,6 +40,11 @@ def skip_or_fail_without_browser() -> None:
         pytest.skip(message)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def browser_installed():
+    skip_or_fail_without_browser()
+
+
 @pytest.fixture(scope="module")
 def servers():
     """The demo model served twice, started side by side: open, and behind an API key."""
@@ -62,7 +68,6 @@ def servers():
 
 @pytest.fixture(scope="module")
 def driver():
-    skip_or_fail_without_browser()
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     options = webdriver.ChromeOptions()
@@ -209,9 +214,10 @@ def test_answer_streams_in(page, client):
     states = [s for i, s in enumerate(recorded) if s and (i == 0 or s != recorded[i - 1])]
     assert len(states) >= 2 and states[-1] == "579", states              # it grew, token by token
     assert all("579".startswith(state) for state in states), states
-    assert greedy_reply(client, [{"role": "user", "content": QUESTION}])[0] == "579"
+    expected, tokens = greedy_reply(client, [{"role": "user", "content": QUESTION}])
+    assert expected == "579"
     stats = page.stats()
-    assert "4 tokens" in stats and "tok/s" in stats and "first token" in stats, stats
+    assert stats.startswith(f"{tokens} tokens · ") and " tok/s · first token " in stats, stats
 
 
 def test_follow_up_carries_the_conversation(page, client, tmp_path_factory):
@@ -257,17 +263,19 @@ def test_stop_aborts_the_request_on_the_server(page, servers):
 
 
 def test_phone_sized_window(page):
-    page.driver.set_window_size(390, 760)
+    """At 390 x 760 CSS pixels (a phone) nothing scrolls sideways and every control is in view."""
+    metrics = dict(width=390, height=760, deviceScaleFactor=2, mobile=True)
+    page.driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", metrics)
     try:
-        fits = page.driver.execute_script("""
+        assert page.driver.execute_script("return [innerWidth, innerHeight]") == [390, 760]
+        assert page.driver.execute_script("""
             const inside = (e) => { const r = e.getBoundingClientRect();
                                     return r.left >= 0 && r.right <= innerWidth && r.bottom <= innerHeight; };
             return document.documentElement.scrollWidth <= innerWidth &&
-                   ['message', 'send', 'stop', 'system-prompt', 'temperature', 'max-tokens']
+                   ['message', 'send', 'stop', 'system-prompt', 'temperature', 'max-tokens', 'new-chat']
                        .every((id) => inside(document.getElementById(id)));""")
-        assert fits
     finally:
-        page.driver.set_window_size(900, 640)
+        page.driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
 
 
 def test_shift_enter_adds_a_line(page):
@@ -311,7 +319,8 @@ def test_server_going_away_gives_a_plain_message(servers, driver):
     start_long_reply(page, url)
     process.send_signal(signal.SIGTERM)
     page.wait_idle(timeout=20)                  # the reply ends, Send works again
-    assert page.notice() and process.wait(30) == 0
+    assert page.notice().startswith(("The server ended the reply", UNREACHABLE)), page.notice()
+    assert page.stats().endswith("failed") and process.wait(30) == 0
     page.ask("Are you there?")
     assert page.notice().startswith(UNREACHABLE)
     assert page.message_box().get_attribute("value") == "Are you there?"
