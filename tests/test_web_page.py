@@ -297,7 +297,7 @@ def test_api_key_401_then_key(servers, driver):
     page = ChatPage(driver, url)
     page.open()
     assert "401" in page.notice() and "API key" in page.notice()
-    assert page.field("API key").is_displayed() and page.model_name() == "connecting…"
+    assert page.field("API key").is_displayed() and page.model_name() == "API key needed"
     page.set("Temperature", "0")
     page.ask(QUESTION)                          # refused: a message, and the question back in the box
     assert "401" in page.notice() and page.replies() == []
