@@ -11,15 +11,12 @@ import argparse
 import time
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.bench_workload import bench_requests
-from nanovllm.utils.random_checkpoint import cached_shape
+from nanovllm.utils.bench_workload import add_model_arguments, bench_requests, model_engine_args
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="local Hugging Face checkpoint directory of a supported family")
-    source.add_argument("--config", help="config.json of a model shape (see configs/); weights are random")
+    add_model_arguments(parser)
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--min-input-len", type=int, default=100)
     parser.add_argument("--max-input-len", type=int, default=1024)
@@ -32,10 +29,9 @@ def main():
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = parser.parse_args()
 
-    path = args.model or cached_shape(args.config)
-    llm = LLM(path, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
-              enforce_eager=args.enforce_eager, enable_prefix_caching=bool(args.enable_prefix_caching),
-              kv_cache_dtype=args.kv_cache_dtype, load_format="auto" if args.model else "dummy")
+    llm = LLM(**model_engine_args(args), max_model_len=args.max_model_len,
+              tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+              enable_prefix_caching=bool(args.enable_prefix_caching), kv_cache_dtype=args.kv_cache_dtype)
 
     requests = bench_requests(args.num_seqs, (args.min_input_len, args.max_input_len),
                               (args.min_output_len, args.max_output_len))

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.models.model_config import ModelConfig
+from nanovllm.models.registry import read_model_config
 from nanovllm.spec_decode.speculative_config import SpeculativeConfig
 from nanovllm.utils.validation import check_int, check_number
 
@@ -49,7 +50,7 @@ class Config:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         self.hf_config = load_hf_config(self.model, needs_weights=self.load_format == "auto")
-        self.model_config = ModelConfig.from_hf(self.hf_config)
+        self.model_config = read_model_config(self.hf_config)
         self._check_device()
         self._check_sizes()
         self.torch_dtype = self._resolve_dtype()
@@ -63,8 +64,8 @@ class Config:
         """A draft must be a family we run, with the target's vocabulary (proposals are token ids)."""
         spec = self.speculative_config
         try:
-            draft = ModelConfig.from_hf(load_hf_config(os.path.expanduser(spec.model),
-                                                       needs_weights=self.load_format == "auto"))
+            draft = read_model_config(load_hf_config(os.path.expanduser(spec.model),
+                                                     needs_weights=self.load_format == "auto"))
         except ValueError as error:
             raise ValueError(f"speculative_config: draft {error}") from None
         if draft.vocab_size != self.model_config.vocab_size:
@@ -136,7 +137,7 @@ class Config:
 
 
 def load_hf_config(model: str, needs_weights: bool = True) -> PretrainedConfig:
-    """The checkpoint's config.json as transformers reads it; `ModelConfig.from_hf` says if we can run it."""
+    """The checkpoint's config.json as transformers reads it; `read_model_config` says if we can run it."""
     if not os.path.isdir(model):
         raise ValueError(f"model: {model!r} is not a local directory (nanovllm loads local checkpoints only)")
     if not os.path.isfile(os.path.join(model, "config.json")):

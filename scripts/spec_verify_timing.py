@@ -33,6 +33,23 @@ def parse_args():
     return parser.parse_args()
 
 
+def median_ms(fn, reps: int = 30, warmup: int = 5) -> float:
+    """Median device time of fn in ms, by CUDA events around each call."""
+    import numpy as np
+    import torch
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
+
+
 def step_ms(llm, batch: int, context: int, query_len: int) -> float:
     """Median ms of one step over `batch` sequences of `context` tokens, each computing its last
     query_len positions: a plain decode step (graph replay and sampler) when query_len is 1, else a
@@ -42,7 +59,6 @@ def step_ms(llm, batch: int, context: int, query_len: int) -> float:
 
     from nanovllm.layers.sampler import SamplingTensors
     from nanovllm.spec_decode.rejection_sampler import VerifyTensors, rejection_sample
-    from scripts.step_timing import median_ms
     from nanovllm.worker.step_inputs import StepInputs
     runner, vocab = llm.model_runner, llm.config.model_config.vocab_size
     block_size = llm.config.kvcache_block_size
