@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.spec_decode.proposer import Proposer
 
 # Speculation steps aside above this many running sequences: a large decode batch is no longer
 # bound by reading the weights, so verifying proposals stops being free. A first guess, to be
@@ -52,7 +53,8 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: Config, block_manager: BlockManager, proposer=None, num_speculative_tokens: int = 0):
+    def __init__(self, config: Config, block_manager: BlockManager, proposer: Proposer | None = None,
+                 num_speculative_tokens: int = 0):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -64,8 +66,7 @@ class Scheduler:
         # cumulative counters, for metrics
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.prefix_cache_queries = self.prefix_cache_hits = 0    # prompt tokens looked up / found
-        # speculative decoding: proposer.propose(seqs, ks) -> up to ks[i] guesses of seqs[i]'s next tokens
-        self.proposer = proposer
+        self.proposer = proposer                      # speculative decoding: guesses of the next tokens
         self.num_speculative_tokens = num_speculative_tokens
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
 
