@@ -545,3 +545,14 @@ def test_draft_model_keeps_greedy_outputs(base, eos_model, model_paths):
         assert drafts >= len(prompts) and accepted >= least_accepted * draft_tokens
         assert_no_blocks_held(llm)
         llm.shutdown()
+
+
+def test_beam_search_runs_without_speculation(base, spec):
+    from nanovllm import BeamSearchParams
+    params = BeamSearchParams(beam_width=2, max_tokens=8)
+    before = spec_counts(spec)
+    got = spec.beam_search([LOOP_PROMPT, EOS_PROMPT], params)
+    assert spec_counts(spec) == before
+    assert [[b["token_ids"] for b in o["sequences"]] for o in got] == \
+        [[b["token_ids"] for b in o["sequences"]] for o in base.beam_search([LOOP_PROMPT, EOS_PROMPT], params)]
+    assert_no_blocks_held(spec)

@@ -2,8 +2,10 @@
 
 It turns a ScheduledBatch into StepInputs (step_inputs.py), runs the model (eagerly, or by replaying
 a CUDA graph for decode: cuda_graph.py) over the paged pool (kv_cache.py), and samples one token for
-every sequence whose prompt is fully computed (sampling_inputs.py). Under tensor parallelism rank 0
-also sends each step to the worker processes (tp.py). It never decides what runs; the scheduler does.
+every sequence whose prompt is fully computed (sampling_inputs.py); a verify step (speculative
+decoding) runs eagerly and samples every position of each sequence, keeping a prefix of its
+proposals (spec_decode/rejection_sampler.py). Under tensor parallelism rank 0 also sends each step
+to the worker processes (tp.py). It never decides what runs; the scheduler does.
 """
 import contextlib
 import math
