@@ -85,7 +85,7 @@ class LLMEngine:
 
     def _new_block_manager(self) -> BlockManager:
         return BlockManager(self.model_runner.num_kvcache_blocks, self.config.kvcache_block_size,
-                            self.config.enable_prefix_caching)
+                            self.config.enable_prefix_caching, self.model_runner.num_host_blocks)
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers and free device memory; the engine cannot be used after."""
@@ -183,6 +183,11 @@ class LLMEngine:
             "prefix_cache_hits": sched.prefix_cache_hits,
             "prompt_tokens": sched.num_prompt_tokens,
             "generation_tokens": sched.num_generation_tokens,
+            # the prefix cache's host tier (kv_offload_gib)
+            "kv_offload_usage": bm.host.num_used_blocks / bm.host.num_blocks if bm.host else 0.0,
+            "kv_offload_blocks_offloaded": bm.num_offloaded_blocks,
+            "kv_offload_blocks_loaded": bm.num_loaded_blocks,
+            "prefix_cache_host_hits": sched.prefix_cache_host_hits,
         }
 
     # ---- the loop ------------------------------------------------------------------------------
