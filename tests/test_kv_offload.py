@@ -283,7 +283,7 @@ def test_interrupted_steps_leak_nothing_and_keep_outputs(offload_llm, reference,
     fail_on_call(target, name, 2, error, after)
     try:
         with pytest.raises(error):
-            multi_turn(offload_llm, seed=1)
+            multi_turn(offload_llm)
     finally:
         restore(target, name)
     assert_consistent(offload_llm)
