@@ -21,6 +21,7 @@ from nanovllm.serve.cli import parse_args
 from nanovllm.serve.metrics import EngineStatsCollector
 from nanovllm.utils.random_checkpoint import write_tiny_model
 from nanovllm.worker.kv_cache import KVCache
+from nanovllm.worker import kv_offload
 from nanovllm.worker.kv_offload import HostKVCache
 from tests.test_interrupts import assert_consistent, fail_on_call, restore
 from tests.test_moe_engine import write_tiny_moe
@@ -189,14 +190,18 @@ def test_recorded_copies_keep_every_prefix_block_right():
 # ---- the copies --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, FP8_DTYPE])
-def test_blocks_round_trip_exactly(dtype):
+def test_blocks_round_trip_exactly(dtype, monkeypatch):
+    """Whole blocks, every layer's keys and values, byte for byte, through a staging slot of two
+    blocks (so three blocks take two rounds)."""
     layers = [SimpleNamespace(num_kv_heads=2, head_dim=8) for _ in range(3)]
     cache = KVCache(layers, 16, dtype, torch.device("cpu"))
+    monkeypatch.setattr(kv_offload, "STAGING_BYTES", 4 * cache.block_bytes)
     cache.allocate(8)
     cache.tensor.view(torch.uint8).copy_(torch.randint(0, 256, cache.tensor.shape + (dtype.itemsize,),
                                                        dtype=torch.uint8).flatten(-2))
     original = cache.tensor.clone()
     host = HostKVCache(cache, 4)
+    assert host.slot_blocks == 2
     host.transfer(np.array([[5, 2], [1, 3], [6, 0]]), np.zeros((0, 2), np.int64))
     cache.tensor.zero_()
     host.transfer(np.zeros((0, 2), np.int64), np.array([[3, 7], [2, 0], [0, 4]]))

@@ -97,11 +97,11 @@ class ModelRunner:
         for attn in self.attention_layers:
             attn.backend = self.backend
         self.kv_cache = KVCache(self.attention_layers, self.block_size, kv_dtype, self.device)
+        self.host_kv_cache = self._allocate_host_tier()      # before sizing: its staging takes device memory
         self.num_kvcache_blocks = self._size_kv_cache()
         if self.kv_cache.is_fp8 and not self._use_checkpoint_kv_scales(checkpoint_kv_scales):
             self._calibrate_kv_scales()
         self.kv_cache.allocate(self.num_kvcache_blocks)
-        self.host_kv_cache = self._allocate_host_tier()
         if self.is_cuda:
             self._run_cached_prefill()
         if self.is_cuda and not config.enforce_eager:
