@@ -77,7 +77,8 @@ class LLMEngine:
         capacity = self.model_runner.num_kvcache_blocks * config.kvcache_block_size
         print(f"nanovllm: {config.model_config.num_layers}-layer {config.model_config.architecture} on {config.device} "
               f"({str(config.torch_dtype).removeprefix('torch.')}), KV cache {self.model_runner.num_kvcache_blocks} "
-              f"blocks x {config.kvcache_block_size} tokens = {capacity} tokens")
+              f"blocks x {config.kvcache_block_size} tokens = {capacity} tokens"
+              + (f", host tier {self.model_runner.num_host_blocks} blocks" if config.kv_offload_gib else ""))
 
     @property
     def block_manager(self) -> BlockManager:

@@ -29,7 +29,7 @@ from nanovllm.worker.kv_cache import KVCache
 STAGING_BYTES = 512 << 20    # both slots together; each holds at least one block
 
 
-@dataclass
+@dataclass(slots=True)
 class StagingSlot:
     buffer: torch.Tensor                     # [blocks, block_bytes] on the device
     free: torch.cuda.Event | None = None     # recorded after the last queued copy that reads or fills it
