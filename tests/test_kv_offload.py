@@ -310,6 +310,22 @@ def test_abort_leaks_nothing(offload_llm, reference):
     assert multi_turn(offload_llm)[1] == reference[1]
 
 
+def test_preempted_sequences_come_back_through_the_host_tier(offload_llm, model_paths, hf_greedy):
+    """A pool too small for the batch's decodes preempts; a preempted sequence's full blocks, once
+    evicted, return from host memory when it is admitted again. The tokens stay transformers'."""
+    prompts = [[random.Random(k).randrange(3, 500) for _ in range(60)] for k in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    before = offload_llm.stats()
+    preemptions = offload_llm.scheduler.num_preemptions
+    outputs = offload_llm.generate(prompts, params, use_tqdm=False)
+    assert offload_llm.scheduler.num_preemptions > preemptions
+    assert offload_llm.stats()["kv_offload_blocks_loaded"] > before["kv_offload_blocks_loaded"]
+    for prompt, output in list(zip(prompts, outputs))[::2]:
+        assert output["token_ids"] == hf_greedy(model_paths["gqa_tied"], prompt, 24)
+    assert_consistent(offload_llm)
+    assert_host_consistent(offload_llm.block_manager)
+
+
 @pytest.fixture(scope="module")
 def family_paths(tmp_path_factory):
     paths = {name: write_tiny_model(str(tmp_path_factory.mktemp(name)), architecture=arch, seed=seed)
