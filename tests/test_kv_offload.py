@@ -3,6 +3,7 @@ simulated device that makes the recorded copies), the copies themselves (float8 
 exactly), and whole engines whose GPU pool is too small for a multi-turn workload: with the tier
 their outputs equal the engine's without it (and transformers'), and returning conversations find
 their history in host memory instead of recomputing it."""
+import os
 import random
 from types import SimpleNamespace
 
@@ -189,26 +190,29 @@ def test_recorded_copies_keep_every_prefix_block_right():
 
 # ---- the copies --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.float32, FP8_DTYPE])
-def test_blocks_round_trip_exactly(dtype, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8_DTYPE])
+def test_blocks_round_trip_exactly(dtype, device, monkeypatch):
     """Whole blocks, every layer's keys and values, byte for byte, through a staging slot of two
-    blocks (so three blocks take two rounds)."""
+    blocks (so three blocks take two rounds; on CUDA through pinned memory and a side stream)."""
     layers = [SimpleNamespace(num_kv_heads=2, head_dim=8) for _ in range(3)]
-    cache = KVCache(layers, 16, dtype, torch.device("cpu"))
+    cache = KVCache(layers, 16, dtype, torch.device(device))
     monkeypatch.setattr(kv_offload, "STAGING_BYTES", 4 * cache.block_bytes)
     cache.allocate(8)
     cache.tensor.view(torch.uint8).copy_(torch.randint(0, 256, cache.tensor.shape + (dtype.itemsize,),
                                                        dtype=torch.uint8).flatten(-2))
-    original = cache.tensor.clone()
+    original = cache.tensor.to("cpu", copy=True)
     host = HostKVCache(cache, 4)
     assert host.slot_blocks == 2
     host.transfer(np.array([[5, 2], [1, 3], [6, 0]]), np.zeros((0, 2), np.int64))
     cache.tensor.zero_()
     host.transfer(np.zeros((0, 2), np.int64), np.array([[3, 7], [2, 0], [0, 4]]))
+    stored = cache.tensor.cpu()      # (waits for the copies)
     for source, destination in ((1, 7), (5, 0), (6, 4)):
-        assert torch.equal(cache.tensor[:, :, destination].view(torch.uint8),
-                           original[:, :, source].view(torch.uint8))
-    assert not cache.tensor[:, :, [1, 2, 3, 5, 6]].view(torch.uint8).any()    # nothing else written
+        assert torch.equal(stored[:, :, destination].view(torch.uint8), original[:, :, source].view(torch.uint8))
+    assert not stored[:, :, [1, 2, 3, 5, 6]].view(torch.uint8).any()    # nothing else written
+    host.release()
 
 
 # ---- engines -----------------------------------------------------------------------------------
@@ -354,6 +358,8 @@ def test_float8_pool_keeps_its_outputs(model_paths):
     assert offloaded[1] == plain[1] and sum(offloaded[2]) > sum(plain[2])
 
 
+@pytest.mark.skipif((torch.cuda.device_count() if torch.cuda.is_available() else os.cpu_count() or 1) < 2,
+                    reason="needs 2 devices (GPUs, or CPU cores when there is no GPU)")
 def test_two_ranks_offload_their_shards(model_paths, reference):
     with LLM(model_paths["gqa_tied"], **ENGINE, **HOST, tensor_parallel_size=2) as llm:
         _, replies, cached = multi_turn(llm)
