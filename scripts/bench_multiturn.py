@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import cached_shape
+from nanovllm.utils.bench_workload import add_model_arguments, model_engine_args
 
 
 def conversation_turns(args, vocab_size: int) -> tuple[list[list[int]], list[list[list[int]]]]:
@@ -130,9 +130,7 @@ def host_tier_bandwidth(llm: LLM, max_blocks: int = 256) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="local Hugging Face checkpoint directory of a supported family")
-    source.add_argument("--config", help="config.json of a model shape (see configs/); weights are random")
+    add_model_arguments(parser)
     parser.add_argument("--num-convs", type=int, default=64)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--history-len", type=int, default=2000, help="tokens of each conversation's first prompt")
@@ -149,7 +147,6 @@ def main():
     parser.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args()
 
-    path = args.model or cached_shape(args.config)
     final_len = args.history_len + (args.turns - 1) * (args.reply_len + args.user_len) + args.reply_len
     if final_len > args.max_model_len:
         parser.error(f"the last turn reaches {final_len} tokens, beyond --max-model-len {args.max_model_len}")
@@ -162,10 +159,9 @@ def main():
     for name in ("off", "on"):
         if args.only and name != args.only:
             continue
-        llm = LLM(path, max_model_len=args.max_model_len, kvcache_block_size=args.block_size,
+        llm = LLM(**model_engine_args(args), max_model_len=args.max_model_len, kvcache_block_size=args.block_size,
                   num_kvcache_blocks=num_blocks, kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
-                  kv_offload_gib=args.kv_offload_gib if name == "on" else 0.0,
-                  load_format="auto" if args.model else "dummy")
+                  kv_offload_gib=args.kv_offload_gib if name == "on" else 0.0)
         results[name] = run_workload(llm, args)
         report(name, results[name])
         if name == "on":
