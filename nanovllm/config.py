@@ -31,6 +31,7 @@ class Config:
     kv_cache_dtype: str = "auto"          # "auto": the model's dtype; "fp8": float8 e4m3 with scales
     load_format: str = "auto"             # "auto": the safetensors files; "dummy": random weights (benchmarks)
     speculative_config: dict | SpeculativeConfig | None = None   # e.g. {"method": "ngram", "num_speculative_tokens": 4}
+    kv_offload_gib: float = 0.0           # host memory for evicted prefix-cache blocks (all ranks); 0: none
     # Derived from the arguments and the checkpoint, not passed by users.
     hf_config: PretrainedConfig = field(init=False, repr=False)
     model_config: ModelConfig = field(init=False, repr=False)
@@ -121,6 +122,18 @@ class Config:
         for name in ("enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self._check_kv_offload()
+
+    def _check_kv_offload(self):
+        check_number("kv_offload_gib", self.kv_offload_gib, 0.0)
+        if not self.kv_offload_gib:
+            return
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_offload_gib keeps evicted prefix-cache blocks: it needs enable_prefix_caching=True")
+        available = available_host_memory_bytes()
+        if self.kv_offload_gib * 2**30 > available:
+            raise ValueError(f"kv_offload_gib={self.kv_offload_gib} does not fit in host memory: "
+                             f"{available / 2**30:.1f} GiB available")
 
     @property
     def min_kvcache_blocks(self) -> int:
@@ -134,6 +147,18 @@ class Config:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         return DTYPES[self.dtype]
+
+
+def available_host_memory_bytes() -> int:
+    """Memory the system can give without swapping (MemAvailable), or else the free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def load_hf_config(model: str, needs_weights: bool = True) -> PretrainedConfig:

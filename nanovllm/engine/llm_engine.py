@@ -84,7 +84,8 @@ class LLMEngine:
         capacity = self.model_runner.num_kvcache_blocks * config.kvcache_block_size
         print(f"nanovllm: {config.model_config.num_layers}-layer {config.model_config.architecture} on {config.device} "
               f"({str(config.torch_dtype).removeprefix('torch.')}), KV cache {self.model_runner.num_kvcache_blocks} "
-              f"blocks x {config.kvcache_block_size} tokens = {capacity} tokens")
+              f"blocks x {config.kvcache_block_size} tokens = {capacity} tokens"
+              + (f", host tier {self.model_runner.num_host_blocks} blocks" if config.kv_offload_gib else ""))
 
     @property
     def block_manager(self) -> BlockManager:
@@ -92,7 +93,7 @@ class LLMEngine:
 
     def _new_block_manager(self) -> BlockManager:
         return BlockManager(self.model_runner.num_kvcache_blocks, self.config.kvcache_block_size,
-                            self.config.enable_prefix_caching)
+                            self.config.enable_prefix_caching, self.model_runner.num_host_blocks)
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers and free device memory; the engine cannot be used after."""
@@ -195,6 +196,11 @@ class LLMEngine:
             "spec_decode_num_drafts": sched.num_drafts,
             "spec_decode_num_draft_tokens": sched.num_draft_tokens,
             "spec_decode_num_accepted_tokens": sched.num_accepted_tokens,
+            # the prefix cache's host tier (kv_offload_gib)
+            "kv_offload_usage": bm.host.num_used_blocks / bm.host.num_blocks if bm.host else 0.0,
+            "kv_offload_blocks_offloaded": bm.num_offloaded_blocks,
+            "kv_offload_blocks_loaded": bm.num_loaded_blocks,
+            "prefix_cache_host_hits": sched.prefix_cache_host_hits,
         }
 
     # ---- the loop ------------------------------------------------------------------------------

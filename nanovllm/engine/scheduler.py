@@ -39,6 +39,8 @@ class ScheduledBatch:
     is_prefill: bool
     block_copies: list[tuple[int, int]] = field(default_factory=list)   # (source, destination) before it
     draft_token_ids: list[list[int]] | None = None   # decode: each sequence's proposals to verify
+    kv_offloads: list[tuple[int, int]] = field(default_factory=list)    # (GPU block, host block) before it
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)       # (host block, GPU block) before it
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +71,7 @@ class Scheduler:
         self.proposer = proposer                      # speculative decoding: guesses of the next tokens
         self.num_speculative_tokens = num_speculative_tokens
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.prefix_cache_host_hits = 0                            # of those found, in the host tier
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -80,6 +83,8 @@ class Scheduler:
         batch = self._schedule_prefill()
         if not batch.seqs:
             batch = self._schedule_decode()
+        if batch.seqs:     # the host tier's copies go with the next step that launches
+            batch.kv_offloads, batch.kv_loads = self.block_manager.take_block_transfers()
         return batch
 
     def _schedule_prefill(self) -> ScheduledBatch:
@@ -118,6 +123,7 @@ class Scheduler:
                 self.num_prompt_tokens += seq.num_prompt_tokens
                 self.prefix_cache_queries += seq.num_prompt_tokens
                 self.prefix_cache_hits += num_cached
+                self.prefix_cache_host_hits += bm.num_host_hits(cached_prefix) * bm.block_size
             seq.status = SequenceStatus.RUNNING
             self.waiting.remove(seq)
             self.running.append(seq)

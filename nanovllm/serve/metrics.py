@@ -26,7 +26,9 @@ class EngineStatsCollector(Collector):
         stats = self.stats()
         gauges = [("num_requests_running", "Requests in the running batch.", "num_running"),
                   ("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
-                  ("kv_cache_usage_perc", "Share of the KV cache blocks in use (1 = full).", "kv_cache_usage")]
+                  ("kv_cache_usage_perc", "Share of the KV cache blocks in use (1 = full).", "kv_cache_usage"),
+                  ("kv_offload_usage_perc", "Share of the host tier's KV blocks holding a prefix block (1 = full).",
+                   "kv_offload_usage")]
         counters = [("prompt_tokens", "Prompt tokens processed.", "prompt_tokens"),
                     ("generation_tokens", "Tokens generated.", "generation_tokens"),
                     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
@@ -34,7 +36,13 @@ class EngineStatsCollector(Collector):
                     ("spec_decode_num_drafts", "Sequence steps that verified proposed tokens.", "spec_decode_num_drafts"),
                     ("spec_decode_num_draft_tokens", "Proposed tokens verified.", "spec_decode_num_draft_tokens"),
                     ("spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
-                     "spec_decode_num_accepted_tokens")]
+                     "spec_decode_num_accepted_tokens"),
+                    ("prefix_cache_host_hits", "Prompt tokens served from the prefix cache's host tier.",
+                     "prefix_cache_host_hits"),
+                    ("kv_offload_blocks_offloaded", "KV blocks copied from the GPU to the host tier.",
+                     "kv_offload_blocks_offloaded"),
+                    ("kv_offload_blocks_loaded", "KV blocks copied from the host tier back to the GPU.",
+                     "kv_offload_blocks_loaded")]
         for name, doc, key in gauges:
             metric = GaugeMetricFamily(f"nanovllm:{name}", doc, labels=list(self.labels))
             metric.add_metric(list(self.labels.values()), float(stats.get(key, 0)))

@@ -33,6 +33,7 @@ from nanovllm.spec_decode.verify_inputs import build_verify_tensors, verify_rows
 from nanovllm.utils.loader import load_model
 from nanovllm.worker.cuda_graph import DecodeGraphs
 from nanovllm.worker.kv_cache import KVCache, cpu_budget_bytes
+from nanovllm.worker.kv_offload import HostKVCache
 from nanovllm.worker.sampling_inputs import build_sampling_tensors, logprobs_by_row
 from nanovllm.worker.step_inputs import StepInputs, build_step_inputs
 from nanovllm.worker.tp import LOADED, Worker, deferred_keyboard_interrupt, start_workers, stop_workers
@@ -102,6 +103,7 @@ class ModelRunner:
         for attn in self.attention_layers:
             attn.backend = self.backend
         self.kv_cache = KVCache(self.attention_layers, self.block_size, kv_dtype, self.device)
+        self.host_kv_cache = self._allocate_host_tier()      # before sizing: its staging takes device memory
         self.num_kvcache_blocks = self._size_kv_cache()
         if self.kv_cache.is_fp8 and not self._use_checkpoint_kv_scales(checkpoint_kv_scales):
             self._calibrate_kv_scales()
@@ -138,6 +140,20 @@ class ModelRunner:
                 f"{max(num_blocks, 0)} KV blocks, fewer than the {config.min_kvcache_blocks} "
                 f"one sequence of max_model_len needs")
         return num_blocks
+
+    def _allocate_host_tier(self) -> HostKVCache | None:
+        """The prefix cache's host tier (kv_offload_gib, shared by the ranks): None when off."""
+        if not self.config.kv_offload_gib:
+            return None
+        num_blocks = int(self.config.kv_offload_gib * 2**30 / self.world_size // self.kv_cache.block_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"kv_offload_gib={self.config.kv_offload_gib} holds no KV block "
+                             f"({self.kv_cache.block_bytes * self.world_size} bytes over the ranks); pass 0 or more")
+        return HostKVCache(self.kv_cache, num_blocks)
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host_kv_cache.num_blocks if self.host_kv_cache else 0
 
     def _blocks_that_fit_on_gpu(self) -> int:
         """Run the largest step without a cache, then give what is left to KV blocks."""
@@ -215,7 +231,11 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------------
 
     def prepare_step(self, batch: ScheduledBatch) -> StepInputs:
-        return build_step_inputs(batch, self.block_size)
+        inputs = build_step_inputs(batch, self.block_size)
+        if batch.kv_offloads or batch.kv_loads:
+            inputs.kv_offloads = np.array(batch.kv_offloads, dtype=np.int64).reshape(-1, 2)
+            inputs.kv_loads = np.array(batch.kv_loads, dtype=np.int64).reshape(-1, 2)
+        return inputs
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingTensors:
         return build_sampling_tensors(seqs, self.config.model_config.vocab_size, self.config.eos_token_ids,
@@ -297,6 +317,8 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
         """Run the model on one step's inputs; logits of the sampled rows (on rank 0)."""
         num_tokens = len(inputs.input_ids)
+        if len(inputs.kv_offloads) or len(inputs.kv_loads):    # the prefix cache's host tier
+            self.host_kv_cache.transfer(inputs.kv_offloads, inputs.kv_loads)
         if len(inputs.block_copies):    # copy-on-write of blocks shared by forked sequences
             self.kv_cache.copy_blocks(self._host_to_device(inputs.block_copies))
         graph_size = self.graphs.size_for(inputs) if self.graphs else 0
@@ -339,6 +361,8 @@ class ModelRunner:
         clean = all(worker.process.exitcode == 0 for worker in self.workers)
         self.graphs = self.model = self.last_token_ids = None
         self.kv_cache.release()
+        if self.host_kv_cache is not None:
+            self.host_kv_cache.release()
         if dist.is_initialized():
             if clean:
                 dist.destroy_process_group()

@@ -25,6 +25,9 @@ class StepInputs:
     block_tables: np.ndarray    # [num_seqs, max_blocks], padded with 0
     logits_indices: np.ndarray  # rows whose next token is sampled (last token of a finished prompt)
     block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))  # [n, 2] src, dst
+    # the prefix cache's host tier, made before the step: [n, 2] (GPU, host) and (host, GPU) blocks
+    kv_offloads: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
+    kv_loads: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
 
     @property
     def num_seqs(self) -> int:
