@@ -72,10 +72,6 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def weight_bytes(self, layer: nn.Module) -> int:
-        """Bytes this layer's stored weights take (for the start-up line)."""
-        return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False))
-
 
 class UnquantizedLinearMethod(LinearMethod):
     """A 16-bit (or 32-bit) weight [out, in], multiplied by torch."""
