@@ -32,6 +32,7 @@ class Config:
     load_format: str = "auto"             # "auto": the safetensors files; "dummy": random weights (benchmarks)
     speculative_config: dict | SpeculativeConfig | None = None   # e.g. {"method": "ngram", "num_speculative_tokens": 4}
     kv_offload_gib: float = 0.0           # host memory for evicted prefix-cache blocks (all ranks); 0: none
+    quantization: str | None = None       # None: as the checkpoint is; "fp8": quantize a 16-bit one while loading
     # Derived from the arguments and the checkpoint, not passed by users.
     hf_config: PretrainedConfig = field(init=False, repr=False)
     model_config: ModelConfig = field(init=False, repr=False)
@@ -51,8 +52,10 @@ class Config:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         self.hf_config = load_hf_config(self.model, needs_weights=self.load_format == "auto")
-        self.model_config = read_model_config(self.hf_config)
+        self.model_config = read_model_config(self.hf_config, self.quantization)
         self._check_device()
+        if self.model_config.quantization is not None:
+            self.model_config.quantization.verify(self.model_config, self.tensor_parallel_size)
         self._check_sizes()
         self.torch_dtype = self._resolve_dtype()
         self.eos_token_ids = read_eos_token_ids(self.model, self.hf_config)

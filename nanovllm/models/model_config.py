@@ -10,6 +10,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
+from nanovllm.quantization import read_quantization
+from nanovllm.quantization.base import QuantizationConfig
+
 CHECKPOINT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -41,11 +44,14 @@ class ModelConfig:
     norm_topk_prob: bool = False              # renormalise the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1              # every n-th layer is sparse ...
     mlp_only_layers: tuple[int, ...] = ()     # ... except these, which keep the dense MLP
+    # how the linear layers' weights are stored; None: 16-bit (see nanovllm/quantization)
+    quantization: QuantizationConfig | None = None
 
     @classmethod
-    def from_hf(cls, hf_config: PretrainedConfig, family: type) -> "ModelConfig":
+    def from_hf(cls, hf_config: PretrainedConfig, family: type, quantization: str | None = None) -> "ModelConfig":
         """`family`: the CausalLM subclass named by architectures[0] (its qk_norm, qkv_bias and
-        rope_types). Raises ValueError for an activation or rope scaling the engine cannot run."""
+        rope_types). Raises ValueError for an activation or rope scaling the engine cannot run, and
+        for a quantization (the checkpoint's, or the `quantization` argument) it cannot read."""
         architecture = hf_config.architectures[0]
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
@@ -77,6 +83,7 @@ class ModelConfig:
             qk_norm=family.qk_norm,
             dtype=read_checkpoint_dtype(hf_config),
             sliding_window=read_sliding_window(hf_config),
+            quantization=read_quantization(getattr(hf_config, "quantization_config", None), quantization),
             **read_experts(hf_config),
         )
 

@@ -29,12 +29,13 @@ def model_class(architecture: str) -> type[CausalLM]:
     return ARCHITECTURES[architecture]
 
 
-def read_model_config(hf_config: PretrainedConfig) -> ModelConfig:
-    """The ModelConfig of a checkpoint's config.json; ValueError for what the engine cannot run."""
+def read_model_config(hf_config: PretrainedConfig, quantization: str | None = None) -> ModelConfig:
+    """The ModelConfig of a checkpoint's config.json (with the `quantization` engine argument);
+    ValueError for what the engine cannot run."""
     architectures = getattr(hf_config, "architectures", None)
     if not architectures:
         raise ValueError("model: config.json has no 'architectures' entry naming the model class")
-    return ModelConfig.from_hf(hf_config, model_class(architectures[0]))
+    return ModelConfig.from_hf(hf_config, model_class(architectures[0]), quantization)
 
 
 def build_model(config: ModelConfig) -> CausalLM:

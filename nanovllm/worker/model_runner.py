@@ -30,7 +30,7 @@ from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from nanovllm.models.registry import build_model
 from nanovllm.spec_decode.rejection_sampler import rejection_sample
 from nanovllm.spec_decode.verify_inputs import build_verify_tensors, verify_rows
-from nanovllm.utils.loader import load_model
+from nanovllm.utils.loader import load_model, weight_bytes
 from nanovllm.worker.cuda_graph import DecodeGraphs
 from nanovllm.worker.kv_cache import KVCache, cpu_budget_bytes
 from nanovllm.worker.kv_offload import HostKVCache
@@ -90,6 +90,7 @@ class ModelRunner:
             self.model = build_model(config.model_config)
         checkpoint_kv_scales = load_model(self.model, config)
         self.model.eval()
+        self.weight_bytes = weight_bytes(self.model)   # this rank's
         if conn is not None:
             conn.send(LOADED)
         for worker in self.workers:     # before the first collective, which would hang on a dead rank
