@@ -1,0 +1,111 @@
+"""Weight-only integer GEMM: y = x @ W with W stored in 4 or 8 bits, dequantized in registers.
+
+One layout serves AWQ and GPTQ (both are repacked into it once, after loading):
+- qweight int32 [in / (32 / bits), out]: consecutive input rows packed per word in plain order
+  (row 8r + i in bits [4i, 4i + 4) for 4 bits), so a tile of rows is one load per column;
+- scales [groups, out] and scaled_zeros [groups, out] in the activation dtype, with
+  W[k, n] = q[k, n] * scales[g, n] - scaled_zeros[g, n] (zeros pre-multiplied: one FMA per weight);
+- the group g of input row k: k // group_size, or g_idx[k] for GPTQ act-order checkpoints, whose
+  groups are not runs of rows (the tile then gathers its scales row by row).
+
+Two launch shapes of one kernel. Decode (a few rows): the product is bound by reading the weight
+bytes, so the K dimension is split over programs (SPLIT_K) to put every SM on the weight stream,
+and the partial products meet in a float32 buffer by atomic adds. Prefill: a tile of the weight is
+dequantized to the activation dtype and fed to the tensor cores, K walked by one program.
+"""
+import torch
+
+from nanovllm.kernels.triton_compat import tl, triton
+
+
+def dequantize_packed(qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor, bits: int,
+                      group_size: int, g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """The common layout -> W [in, out] in float32 (computed as the kernel does: q * s - z * s)."""
+    per_word = 32 // bits
+    shifts = (torch.arange(per_word, device=qweight.device) * bits).reshape(1, -1, 1)
+    q = ((qweight.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1, qweight.shape[1])
+    rows = torch.arange(q.shape[0], device=q.device)
+    groups = g_idx.long() if g_idx is not None else rows // group_size
+    return q.float() * scales.float()[groups] - scaled_zeros.float()[groups]
+
+
+def int_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,
+                 bits: int, group_size: int, g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch twin of int_gemm: the weight rounded to x's dtype, products summed in float32."""
+    w = dequantize_packed(qweight, scales, scaled_zeros, bits, group_size, g_idx).to(x.dtype)
+    return (x.float() @ w.float()).to(x.dtype)
+
+
+@triton.jit
+def _int_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr, M, N, K,
+                     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
+                     INPUT_PRECISION: tl.constexpr):
+    PER_WORD: tl.constexpr = 32 // BITS
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = split * K_PER_SPLIT
+    for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        # each word serves PER_WORD consecutive rows: the repeated addresses are one memory transaction
+        words = tl.load(qweight_ptr + (ks // PER_WORD)[:, None] * N + cols[None, :],
+                        mask=k_ok[:, None] & col_ok[None, :], other=0)
+        q = (words >> ((ks % PER_WORD) * BITS)[:, None]) & ((1 << BITS) - 1)
+        if ONE_GROUP_PER_TILE:
+            group = k0 // GROUP_SIZE
+            s = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            z = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        else:
+            if HAS_G_IDX:
+                groups = tl.load(g_idx_ptr + ks, mask=k_ok, other=0)
+            else:
+                groups = ks // GROUP_SIZE
+            offsets = groups[:, None] * N + cols[None, :]
+            mask = k_ok[:, None] & col_ok[None, :]
+            s = tl.load(scales_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(zeros_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        w = (q.to(tl.float32) * s - z).to(x.dtype)
+        acc += tl.dot(x, w, input_precision=INPUT_PRECISION)
+    out = out_ptr + rows[:, None] * N + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K > 1:
+        tl.atomic_add(out, acc, mask=mask)
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) by the number of rows
+DECODE_MAX_ROWS = 16
+DECODE_CONFIG = (16, 64, 128, 4, 4, 4)
+PREFILL_CONFIG = (64, 128, 64, 1, 4, 3)
+
+
+def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,
+             bits: int, group_size: int, g_idx: torch.Tensor | None = None,
+             config: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (float16, bfloat16 or float32, contiguous) @ the packed weight -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    block_m, block_n, block_k, split_k, num_warps, num_stages = config or (
+        DECODE_CONFIG if m <= DECODE_MAX_ROWS else PREFILL_CONFIG)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    block_n = min(block_n, max(16, triton.next_power_of_2(n)))
+    split_k = max(1, min(split_k, k // block_k))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    one_group = g_idx is None and group_size % block_k == 0
+    out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k > 1 else \
+        torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
+    _int_gemm_kernel[grid](x, qweight, scales, scaled_zeros, g_idx if g_idx is not None else qweight, out, m, n, k,
+                           BITS=bits, GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None,
+                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+                           K_PER_SPLIT=k_per_split, ONE_GROUP_PER_TILE=one_group,
+                           INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                           num_warps=num_warps, num_stages=num_stages)
+    return out.to(x.dtype) if split_k > 1 else out
