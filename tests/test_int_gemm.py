@@ -4,7 +4,7 @@ and act-order group indices; the twin against the formats' own dequantizers."""
 import pytest
 import torch
 
-from nanovllm.kernels.int_gemm import DECODE_CONFIG, PREFILL_CONFIG, int_gemm, int_gemm_ref
+from nanovllm.kernels.int_gemm import DECODE_CONFIG, PREFILL_CONFIG, LaunchConfig, int_gemm, int_gemm_ref
 from nanovllm.quantization.int_packing import awq_for_gemm, dequantize_awq, dequantize_gptq, gptq_for_gemm
 from nanovllm.utils.quantized_checkpoint import quantize_awq, quantize_gptq
 
@@ -54,11 +54,14 @@ def test_gptq_layout_matches_twin(bits, group_size, desc_act, rows):
     k, n = 256, 40
     layer, g_idx, _ = packed_layer("gptq", k, n, group_size, bits, desc_act, dtype=torch.float16, seed=bits)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7)).to(DEVICE, torch.float16)
-    out, ref = run_both(x, layer, bits, group_size, g_idx)
-    torch.testing.assert_close(out, ref, **tolerance(torch.float16))
+    for unpack_by_reshape in (True, False):
+        config = (DECODE_CONFIG if rows <= 16 else PREFILL_CONFIG)._replace(unpack_by_reshape=unpack_by_reshape)
+        out, ref = run_both(x, layer, bits, group_size, g_idx, config)
+        torch.testing.assert_close(out, ref, **tolerance(torch.float16))
 
 
-@pytest.mark.parametrize("config", [DECODE_CONFIG, PREFILL_CONFIG, (16, 32, 32, 3, 4, 2), (32, 16, 16, 1, 4, 2)])
+@pytest.mark.parametrize("config", [DECODE_CONFIG, PREFILL_CONFIG, LaunchConfig(16, 32, 32, 3, 4, 2, False),
+                                    LaunchConfig(32, 16, 16, 1, 4, 2, False), LaunchConfig(16, 16, 64, 2, 4, 2, True)])
 def test_every_launch_shape_agrees(config):
     """Split-K (atomic float32 partial sums) and single-program K loops, tiles smaller than a group."""
     k, n, group_size = 192, 48, 32

@@ -13,6 +13,8 @@ bytes, so the K dimension is split over programs (SPLIT_K) to put every SM on th
 and the partial products meet in a float32 buffer by atomic adds. Prefill: a tile of the weight is
 dequantized to the activation dtype and fed to the tensor cores, K walked by one program.
 """
+from typing import NamedTuple
+
 import torch
 
 from nanovllm.kernels.triton_compat import tl, triton
@@ -41,7 +43,7 @@ def _int_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_p
                      BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
-                     INPUT_PRECISION: tl.constexpr):
+                     UNPACK_BY_RESHAPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     PER_WORD: tl.constexpr = 32 // BITS
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -53,10 +55,18 @@ def _int_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_p
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        # each word serves PER_WORD consecutive rows: the repeated addresses are one memory transaction
-        words = tl.load(qweight_ptr + (ks // PER_WORD)[:, None] * N + cols[None, :],
-                        mask=k_ok[:, None] & col_ok[None, :], other=0)
-        q = (words >> ((ks % PER_WORD) * BITS)[:, None]) & ((1 << BITS) - 1)
+        if UNPACK_BY_RESHAPE:
+            # one load per word, its PER_WORD rows spread out in registers
+            kw = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+            words = tl.load(qweight_ptr + kw[:, None] * N + cols[None, :],
+                            mask=(kw < K // PER_WORD)[:, None] & col_ok[None, :], other=0)
+            shifts = tl.arange(0, PER_WORD) * BITS
+            q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), (BLOCK_K, BLOCK_N))
+        else:
+            # each word loaded once per row it serves: the repeated addresses are one memory transaction
+            words = tl.load(qweight_ptr + (ks // PER_WORD)[:, None] * N + cols[None, :],
+                            mask=k_ok[:, None] & col_ok[None, :], other=0)
+            q = (words >> ((ks % PER_WORD) * BITS)[:, None]) & ((1 << BITS) - 1)
         if ONE_GROUP_PER_TILE:
             group = k0 // GROUP_SIZE
             s = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -80,19 +90,28 @@ def _int_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_p
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) by the number of rows
+class LaunchConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int            # programs sharing one output tile's K range (float32 atomic partial sums)
+    num_warps: int
+    num_stages: int
+    unpack_by_reshape: bool  # load each word once and spread its rows, or load it once per row
+
+
 DECODE_MAX_ROWS = 16
-DECODE_CONFIG = (16, 64, 128, 4, 4, 4)
-PREFILL_CONFIG = (64, 128, 64, 1, 4, 3)
+DECODE_CONFIG = LaunchConfig(16, 64, 128, 4, 4, 4, True)
+PREFILL_CONFIG = LaunchConfig(64, 128, 64, 1, 4, 3, True)
 
 
 def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,
              bits: int, group_size: int, g_idx: torch.Tensor | None = None,
-             config: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
+             config: LaunchConfig | None = None) -> torch.Tensor:
     """x [M, K] (float16, bfloat16 or float32, contiguous) @ the packed weight -> [M, N] in x's dtype."""
     m, k = x.shape
     n = qweight.shape[1]
-    block_m, block_n, block_k, split_k, num_warps, num_stages = config or (
+    block_m, block_n, block_k, split_k, num_warps, num_stages, by_reshape = config or (
         DECODE_CONFIG if m <= DECODE_MAX_ROWS else PREFILL_CONFIG)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
@@ -106,6 +125,6 @@ def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scale
                            BITS=bits, GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None,
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                            K_PER_SPLIT=k_per_split, ONE_GROUP_PER_TILE=one_group,
-                           INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                           UNPACK_BY_RESHAPE=by_reshape, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                            num_warps=num_warps, num_stages=num_stages)
     return out.to(x.dtype) if split_k > 1 else out
