@@ -125,6 +125,6 @@ def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scale
                            BITS=bits, GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None,
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                            K_PER_SPLIT=k_per_split, ONE_GROUP_PER_TILE=one_group,
-                           UNPACK_BY_RESHAPE=by_reshape, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                           UNPACK_BY_RESHAPE=by_reshape, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
                            num_warps=num_warps, num_stages=num_stages)
     return out.to(x.dtype) if split_k > 1 else out
