@@ -6,7 +6,7 @@ import torch
 
 from nanovllm.kernels.int_gemm import DECODE_CONFIG, PREFILL_CONFIG, LaunchConfig, int_gemm, int_gemm_ref
 from nanovllm.quantization.int_packing import awq_for_gemm, dequantize_awq, dequantize_gptq, gptq_for_gemm
-from nanovllm.utils.quantized_checkpoint import quantize_awq, quantize_gptq
+from nanovllm.utils.quantized_checkpoint import act_order, quantize_awq, quantize_gptq
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -19,7 +19,7 @@ def packed_layer(fmt: str, k: int, n: int, group_size: int, bits: int = 4, desc_
         t = quantize_awq(w, group_size)
         return awq_for_gemm(t["qweight"], t["qzeros"], t["scales"], dtype), None, \
             dequantize_awq(t["qweight"], t["qzeros"], t["scales"], group_size)
-    t = quantize_gptq(w, bits, group_size, desc_act)
+    t = quantize_gptq(w, bits, group_size, act_order("layer.weight", k) if desc_act else None)
     g_idx = t["g_idx"] if desc_act else None
     return gptq_for_gemm(t["qweight"], t["qzeros"], t["scales"], bits, True, dtype), g_idx, \
         dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits)

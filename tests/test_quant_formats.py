@@ -15,7 +15,8 @@ Where each detail was checked (read from the sources, not copied):
   (convert_gptq_v2_to_v1_format_module subtracts 0x11111111 for 4 bits) and vLLM gptq.py
   (use_v2_format). Symmetric zero (maxq + 1) / 2 and s = 2 * max|w| / maxq: GPTQModel
   quantization/quantizer.py (find_params). g_idx of act-order (desc_act) checkpoints: the
-  position in the sorted order // group_size, then un-permuted: quantization/gptq.py.
+  position in the sorted order // group_size, then un-permuted: quantization/gptq.py. Projections of
+  one input (q/k/v, gate/up) share the order, as they share the Hessian.
 """
 import json
 
@@ -26,7 +27,7 @@ from nanovllm.quantization.int_packing import (AWQ_PACK_ORDER, awq_for_gemm, deq
                                                gptq_for_gemm, pack_columns, pack_rows, unpack_columns,
                                                unpack_rows)
 from nanovllm.kernels.int_gemm import dequantize_packed
-from nanovllm.utils.quantized_checkpoint import (quantize_awq, quantize_gptq, write_awq_checkpoint,
+from nanovllm.utils.quantized_checkpoint import (act_order, quantize_awq, quantize_gptq, write_awq_checkpoint,
                                                  write_dequantized_checkpoint, write_gptq_checkpoint)
 
 
@@ -83,7 +84,8 @@ def test_awq_writer_shapes_and_values(group_size):
                                                       (8, 32, True), (4, -1, False)])
 def test_gptq_writer_shapes_and_values(bits, group_size, desc_act):
     w = torch.randn(40, 128, generator=torch.Generator().manual_seed(2)) * 0.05
-    t = quantize_gptq(w, bits, group_size, desc_act)
+    order = act_order("model.layers.0.mlp.down_proj.weight", 128) if desc_act else None
+    t = quantize_gptq(w, bits, group_size, order)
     groups = 1 if group_size == -1 else 128 // group_size
     assert t["qweight"].shape == (128 * bits // 32, 40) and t["qweight"].dtype == torch.int32
     assert t["qzeros"].shape == (groups, 40 * bits // 32) and t["qzeros"].dtype == torch.int32
@@ -100,7 +102,7 @@ def test_gptq_writer_shapes_and_values(bits, group_size, desc_act):
     # the symmetric grid runs from -zero to maxq - zero (-8..7 for 4 bits): only the top end clips
     inside = w.half().float() <= ((1 << bits) // 2 - 0.5) * step
     assert (err[inside] <= step[inside] * 0.5 + 1e-6).all() and (err <= step + 1e-6).all()
-    v2 = quantize_gptq(w, bits, group_size, desc_act, zeros_minus_one=False)
+    v2 = quantize_gptq(w, bits, group_size, order, zeros_minus_one=False)
     torch.testing.assert_close(dequantize_gptq(v2["qweight"], v2["qzeros"], v2["scales"], v2["g_idx"], bits,
                                                zeros_minus_one=False), deq, rtol=0, atol=0)
 
@@ -112,7 +114,7 @@ def test_gemm_layout_matches_the_dequantizers():
     torch.testing.assert_close(dequantize_packed(packed["qweight"], packed["scales"], packed["scaled_zeros"], 4, 32),
                                dequantize_awq(a["qweight"], a["qzeros"], a["scales"], 32).t(), rtol=0, atol=1e-6)
     for bits in (4, 8):
-        g = quantize_gptq(w, bits, 32, desc_act=True)
+        g = quantize_gptq(w, bits, 32, act_order("x.weight", 128))
         packed = gptq_for_gemm(g["qweight"], g["qzeros"], g["scales"], bits, True, torch.float32)
         torch.testing.assert_close(
             dequantize_packed(packed["qweight"], packed["scales"], packed["scaled_zeros"], bits, 32, g["g_idx"]),
@@ -148,6 +150,8 @@ def test_written_checkpoints_are_laid_out_like_the_hubs(source_model, tmp_path):
     with safe_open(f"{gptq}/model.safetensors", "pt") as f:
         assert f.get_tensor("model.layers.0.mlp.down_proj.qweight").shape == (128 // 8, 64)
         assert f.get_tensor("model.layers.0.mlp.down_proj.g_idx").shape == (128,)
+        q, k = (f.get_tensor(f"model.layers.0.self_attn.{p}_proj.g_idx") for p in "qk")
+        assert torch.equal(q, k) and not torch.equal(q, f.get_tensor("model.layers.1.self_attn.q_proj.g_idx"))
     plain = write_dequantized_checkpoint(gptq, str(tmp_path / "plain"))
     with open(f"{plain}/config.json") as f:
         assert "quantization_config" not in json.load(f)

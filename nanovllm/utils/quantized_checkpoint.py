@@ -9,15 +9,19 @@ Round-to-nearest uses each format's own grid (no calibration data):
 - GPTQ sym (GPTQModel quantization/quantizer.py, find_params and quantize): the range includes 0,
   xmax = max(|min|, max), s = 2 * xmax / maxq (xmax / maxq when the group has no negative value),
   z = (maxq + 1) / 2, q = clamp(round(w / s) + z, 0, maxq). With desc_act the input rows are taken
-  in order of decreasing column norm (standing in for the Hessian diagonal GPTQ sorts by) and
-  g_idx[row] = (position of the row in that order) // group_size (GPTQModel quantization/gptq.py).
+  in the order of decreasing Hessian diagonal, and g_idx[row] = (position of the row in that
+  order) // group_size (GPTQModel quantization/gptq.py). The Hessian comes from the layer's
+  inputs, so projections of one input (q/k/v, gate/up) share the order; without calibration data
+  the writer draws that order at random, seeded by the input (act_order).
 Every tensor that is not quantized is stored in float16, as the published checkpoints are.
 """
 import glob
+import hashlib
 import json
 import os
 import re
 import shutil
+from collections.abc import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -45,18 +49,27 @@ def quantize_awq(weight: torch.Tensor, group_size: int) -> dict[str, torch.Tenso
             "scales": scales.t().contiguous()}
 
 
-def quantize_gptq(weight: torch.Tensor, bits: int, group_size: int, desc_act: bool,
+def act_order(name: str, in_features: int) -> torch.Tensor:
+    """A stand-in for GPTQ's act order of the layer `name`: the same for layers that read one input."""
+    shared_input = re.sub(r"\.(q|k|v)_proj\.", ".qkv_proj.", re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name))
+    seed = int.from_bytes(hashlib.sha1(shared_input.encode()).digest()[:4], "little")
+    return torch.randperm(in_features, generator=torch.Generator().manual_seed(seed))
+
+
+def quantize_gptq(weight: torch.Tensor, bits: int, group_size: int, order: torch.Tensor | None = None,
                   zeros_minus_one: bool = True) -> dict[str, torch.Tensor]:
-    """w [out, in] -> GPTQ's qweight, qzeros, scales, g_idx (symmetric)."""
+    """w [out, in] -> GPTQ's qweight, qzeros, scales, g_idx (symmetric); order: the input rows in
+    act order (desc_act), None for their plain order."""
     w = weight.to(torch.float16).float()
     out_features, in_features = w.shape
     group_size = in_features if group_size == -1 else group_size
     maxq = (1 << bits) - 1
-    order = torch.argsort(w.norm(dim=0), descending=True, stable=True) if desc_act else torch.arange(in_features)
-    g_idx = torch.empty(in_features, dtype=torch.int32)
-    g_idx[order] = torch.arange(in_features, dtype=torch.int32) // group_size
+    device = w.device
+    order = torch.arange(in_features, device=device) if order is None else order.to(device)
+    g_idx = torch.empty(in_features, dtype=torch.int32, device=device)
+    g_idx[order] = torch.arange(in_features, dtype=torch.int32, device=device) // group_size
     num_groups = in_features // group_size
-    scales = torch.empty(num_groups, out_features, dtype=torch.float16)
+    scales = torch.empty(num_groups, out_features, dtype=torch.float16, device=device)
     for group in range(num_groups):
         rows = w[:, order[group * group_size:(group + 1) * group_size]]
         low, high = rows.amin(dim=1).clamp(max=0), rows.amax(dim=1).clamp(min=0)
@@ -68,7 +81,7 @@ def quantize_gptq(weight: torch.Tensor, bits: int, group_size: int, desc_act: bo
     zero = (maxq + 1) // 2
     s = scales.float()[g_idx.long()].t()                                  # [out, in]
     q = (torch.round(w / s) + zero).clamp(0, maxq).to(torch.int32)
-    zeros = torch.full((num_groups, out_features), zero - int(zeros_minus_one), dtype=torch.int32)
+    zeros = torch.full((num_groups, out_features), zero - int(zeros_minus_one), dtype=torch.int32, device=device)
     return {"qweight": pack_rows(q.t().contiguous(), bits), "qzeros": pack_columns(zeros, bits),
             "scales": scales, "g_idx": g_idx}
 
@@ -92,7 +105,8 @@ def write_gptq_checkpoint(source: str, target: str, bits: int = 4, group_size: i
               "quant_method": "gptq", "checkpoint_format": checkpoint_format, "pack_dtype": "int32",
               "meta": {"quantizer": ["nanovllm"]}}
     minus_one = checkpoint_format == "gptq"
-    return _write(source, target, config, lambda name, w: quantize_gptq(w, bits, group_size, desc_act, minus_one))
+    return _write(source, target, config, lambda name, w: quantize_gptq(
+        w, bits, group_size, act_order(name, w.shape[1]) if desc_act else None, minus_one))
 
 
 def write_dequantized_checkpoint(source: str, target: str) -> str:
@@ -119,18 +133,26 @@ def write_dequantized_checkpoint(source: str, target: str) -> str:
     return _save(source, target, config, out)
 
 
+def quantized_tensors(tensors: Iterable[tuple[str, torch.Tensor]], quantize) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a 16/32-bit checkpoint -> the quantized checkpoint's: each quantizable linear
+    weight replaced by what quantize(name, weight) returns (None: kept), the rest as they are."""
+    for name, tensor in tensors:
+        packed = quantize(name, tensor) if QUANTIZABLE.search(name) else None
+        if packed is None:
+            yield name, tensor
+            continue
+        prefix = name[:-len(".weight")]
+        for key, value in packed.items():
+            yield f"{prefix}.{key}", value.contiguous()
+
+
 def _write(source: str, target: str, quantization_config: dict, quantize) -> str:
     config = _read_config(source)
     config["quantization_config"] = quantization_config
     _set_dtype(config, "float16")
-    out = {}
-    for name, tensor in _read_tensors(source).items():
-        packed = quantize(name, tensor) if QUANTIZABLE.search(name) else None
-        if packed is None:
-            out[name] = tensor.to(torch.float16)
-            continue
-        prefix = name[:-len(".weight")]
-        out.update({f"{prefix}.{key}": value.contiguous() for key, value in packed.items()})
+    out = {name: tensor if tensor.dtype == torch.int32 or name.endswith((".scales", ".g_idx")) else
+           tensor.to(torch.float16)
+           for name, tensor in quantized_tensors(_read_tensors(source).items(), quantize)}
     return _save(source, target, config, out)
 
 
