@@ -38,7 +38,7 @@ def int_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, s
     return (x.float() @ w.float()).to(x.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])   # one compiled kernel for every row count (graphs capture many)
 def _int_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr, M, N, K,
                      BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
