@@ -1,6 +1,7 @@
 """The weight-only integer GEMM kernel against its torch twin (interpreter on the CPU, float16 and
-float32; bfloat16 on CUDA), for both launch shapes, odd row counts and group sizes, 4 and 8 bits,
-and act-order group indices; the twin against the formats' own dequantizers."""
+float32; float16 and bfloat16 on CUDA, where the engine runs float32 through the twin), for both
+launch shapes, odd row counts and group sizes, 4 and 8 bits, and act-order group indices; the twin
+against the formats' own dequantizers."""
 import pytest
 import torch
 
@@ -9,7 +10,8 @@ from nanovllm.quantization.int_packing import awq_for_gemm, dequantize_awq, dequ
 from nanovllm.utils.quantized_checkpoint import act_order, quantize_awq, quantize_gptq
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+DTYPES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float32, torch.float16]
+WIDE = torch.float16 if DEVICE == "cuda" else torch.float32     # the most precise dtype the kernel takes here
 
 
 def packed_layer(fmt: str, k: int, n: int, group_size: int, bits: int = 4, desc_act: bool = False,
@@ -66,9 +68,10 @@ def test_every_launch_shape_agrees(config):
     """Split-K (atomic float32 partial sums) and single-program K loops, tiles smaller than a group."""
     k, n, group_size = 192, 48, 32
     layer, g_idx, _ = packed_layer("awq", k, n, group_size)
-    x = torch.randn(5, k, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    layer = {name: t.to(WIDE) if t.is_floating_point() else t for name, t in layer.items()}
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(5)).to(DEVICE, WIDE)
     out, ref = run_both(x, layer, 4, group_size, g_idx, config=config)
-    torch.testing.assert_close(out, ref, **tolerance(torch.float32))
+    torch.testing.assert_close(out, ref, **tolerance(WIDE))
 
 
 @pytest.mark.parametrize("fmt,bits,desc_act", [("awq", 4, False), ("gptq", 4, True), ("gptq", 8, False)])

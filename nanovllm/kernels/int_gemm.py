@@ -100,15 +100,21 @@ class LaunchConfig(NamedTuple):
     unpack_by_reshape: bool  # load each word once and spread its rows, or load it once per row
 
 
+# Chosen by scripts/int_gemm_bench.py --sweep on an H100 (Qwen3-8B projections, bfloat16): the
+# decode shape was the fastest at 1 and 16 rows for three of the four projections (second for
+# gate_up); the prefill shape the fastest at 256 rows for qkv, o and down (gate_up: 64x128x64).
 DECODE_MAX_ROWS = 16
 DECODE_CONFIG = LaunchConfig(16, 64, 128, 4, 4, 4, True)
-PREFILL_CONFIG = LaunchConfig(64, 128, 64, 1, 4, 3, True)
+PREFILL_CONFIG = LaunchConfig(64, 64, 128, 1, 4, 3, True)
 
 
 def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,
              bits: int, group_size: int, g_idx: torch.Tensor | None = None,
              config: LaunchConfig | None = None) -> torch.Tensor:
-    """x [M, K] (float16, bfloat16 or float32, contiguous) @ the packed weight -> [M, N] in x's dtype."""
+    """x [M, K] contiguous @ the packed weight -> [M, N] in x's dtype. x is float16 or bfloat16 on
+    CUDA (float32 failed to compile there, on an H100 with Triton 3.6); float32 too in the interpreter."""
+    if x.is_cuda and x.dtype == torch.float32:
+        raise TypeError("int_gemm: x must be float16 or bfloat16 on CUDA; use int_gemm_ref for float32")
     m, k = x.shape
     n = qweight.shape[1]
     block_m, block_n, block_k, split_k, num_warps, num_stages, by_reshape = config or (
