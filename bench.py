@@ -30,12 +30,15 @@ def main():
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--enable-prefix-caching", type=int, default=1, help="1 or 0")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="fp8: quantize the 16-bit weights while loading (per-channel float8)")
     args = parser.parse_args()
 
     path = args.model or cached_shape(args.config)
     llm = LLM(path, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
               enforce_eager=args.enforce_eager, enable_prefix_caching=bool(args.enable_prefix_caching),
-              kv_cache_dtype=args.kv_cache_dtype, load_format="auto" if args.model else "dummy")
+              kv_cache_dtype=args.kv_cache_dtype, load_format="auto" if args.model else "dummy",
+              quantization=args.quantization)
 
     requests = bench_requests(args.num_seqs, (args.min_input_len, args.max_input_len),
                               (args.min_output_len, args.max_output_len))

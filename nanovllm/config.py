@@ -28,6 +28,7 @@ class Config:
     enforce_eager: bool = False
     kv_cache_dtype: str = "auto"          # "auto": the model's dtype; "fp8": float8 e4m3 with scales
     load_format: str = "auto"             # "auto": the safetensors files; "dummy": random weights (benchmarks)
+    quantization: str | None = None       # None: as the checkpoint is; "fp8": quantize a 16-bit one while loading
     # Derived from the arguments and the checkpoint, not passed by users.
     hf_config: PretrainedConfig = field(init=False, repr=False)
     model_config: ModelConfig = field(init=False, repr=False)
@@ -47,8 +48,10 @@ class Config:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         self.hf_config = load_hf_config(self.model, needs_weights=self.load_format == "auto")
-        self.model_config = ModelConfig.from_hf(self.hf_config)
+        self.model_config = ModelConfig.from_hf(self.hf_config, self.quantization)
         self._check_device()
+        if self.model_config.quantization is not None:
+            self.model_config.quantization.verify(self.model_config, self.tensor_parallel_size)
         self._check_sizes()
         self.torch_dtype = self._resolve_dtype()
         self.eos_token_ids = read_eos_token_ids(self.model, self.hf_config)

@@ -75,8 +75,11 @@ class LLMEngine:
         self.detokenizers: dict[tuple[Hashable, int], IncrementalDetokenizer] = {}
         self.num_prefill_tokens = self.num_decode_tokens = 0   # of the last step, for the progress bar
         capacity = self.model_runner.num_kvcache_blocks * config.kvcache_block_size
+        quantization = config.model_config.quantization
+        weights_format = quantization.describe() if quantization else str(config.torch_dtype).removeprefix('torch.')
         print(f"nanovllm: {config.model_config.num_layers}-layer {config.model_config.architecture} on {config.device} "
-              f"({str(config.torch_dtype).removeprefix('torch.')}), KV cache {self.model_runner.num_kvcache_blocks} "
+              f"({str(config.torch_dtype).removeprefix('torch.')}), weights {self.model_runner.weight_bytes / 2**30:.3g} "
+              f"GiB per rank ({weights_format}), KV cache {self.model_runner.num_kvcache_blocks} "
               f"blocks x {config.kvcache_block_size} tokens = {capacity} tokens")
 
     @property

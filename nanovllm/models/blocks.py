@@ -17,17 +17,25 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary import RotaryEmbedding
 from nanovllm.models.model_config import ModelConfig
+from nanovllm.quantization.base import QuantizationConfig
+
+
+def mlp_prefix(layer_index: int) -> str:
+    """The checkpoint name of a layer's feed-forward block (quantization configs match on it)."""
+    return f"model.layers.{layer_index}.mlp"
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, prefix: str):
         super().__init__()
         head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_heads, config.num_kv_heads,
-                                          bias=config.qkv_bias)
+                                          bias=config.qkv_bias, quant_config=config.quantization,
+                                          prefix=f"{prefix}.qkv_proj")
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
-        self.o_proj = RowParallelLinear(config.num_heads * head_dim, config.hidden_size, bias=config.o_bias)
+        self.o_proj = RowParallelLinear(config.num_heads * head_dim, config.hidden_size, bias=config.o_bias,
+                                        quant_config=config.quantization, prefix=f"{prefix}.o_proj")
         self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
         self.rotary_emb = rotary_emb
@@ -43,21 +51,24 @@ class SelfAttention(nn.Module):
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), gate and up kept as one matrix."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 quant_config: QuantizationConfig | None = None, prefix: str = ""):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias,
+                                                       quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
         self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, quant_config=quant_config,
+                                           prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, mlp: nn.Module):
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, mlp: nn.Module, prefix: str):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = SelfAttention(config, rotary_emb)
+        self.self_attn = SelfAttention(config, rotary_emb, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = mlp
 
@@ -78,7 +89,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                      config.rope_scaling)
-        self.layers = nn.ModuleList([DecoderLayer(config, rotary_emb, mlp) for mlp in mlps])
+        self.layers = nn.ModuleList([DecoderLayer(config, rotary_emb, mlp, f"model.layers.{i}")
+                                     for i, mlp in enumerate(mlps)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -114,7 +126,8 @@ class CausalLM(nn.Module):
 
     def build_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module:
         """The feed-forward block of one layer (a mixture of experts would return its own here)."""
-        return GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        return GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias,
+                        quant_config=config.quantization, prefix=mlp_prefix(layer_index))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -10,6 +10,8 @@ import torch
 from transformers import PretrainedConfig
 
 from nanovllm.models.registry import model_class
+from nanovllm.quantization import read_quantization
+from nanovllm.quantization.base import QuantizationConfig
 
 CHECKPOINT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -42,10 +44,13 @@ class ModelConfig:
     norm_topk_prob: bool = False              # renormalise the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1              # every n-th layer is sparse ...
     mlp_only_layers: tuple[int, ...] = ()     # ... except these, which keep the dense MLP
+    # how the linear layers' weights are stored; None: 16-bit (see nanovllm/quantization)
+    quantization: QuantizationConfig | None = None
 
     @classmethod
-    def from_hf(cls, hf_config: PretrainedConfig) -> "ModelConfig":
-        """Raises ValueError for an architecture, activation or rope scaling the engine cannot run."""
+    def from_hf(cls, hf_config: PretrainedConfig, quantization: str | None = None) -> "ModelConfig":
+        """Raises ValueError for an architecture, activation or rope scaling the engine cannot run,
+        and for a quantization (checkpoint's, or the `quantization` argument) it cannot read."""
         architectures = getattr(hf_config, "architectures", None)
         if not architectures:
             raise ValueError("model: config.json has no 'architectures' entry naming the model class")
@@ -80,6 +85,7 @@ class ModelConfig:
             qk_norm=family.qk_norm,
             dtype=read_checkpoint_dtype(hf_config),
             sliding_window=read_sliding_window(hf_config),
+            quantization=read_quantization(getattr(hf_config, "quantization_config", None), quantization),
             **read_experts(hf_config),
         )
 

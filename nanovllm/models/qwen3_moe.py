@@ -6,7 +6,7 @@ Checkpoints store each expert apart; the loader stacks them (see nanovllm.layers
 from torch import nn
 
 from nanovllm.layers.moe import SparseMoeBlock
-from nanovllm.models.blocks import CausalLM
+from nanovllm.models.blocks import CausalLM, mlp_prefix
 from nanovllm.models.model_config import ModelConfig
 
 
@@ -23,4 +23,5 @@ class Qwen3MoeForCausalLM(CausalLM):
         if not is_sparse_layer(config, layer_index):
             return super().build_mlp(config, layer_index)
         return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
-                              config.moe_intermediate_size, config.norm_topk_prob)
+                              config.moe_intermediate_size, config.norm_topk_prob, config.quantization,
+                              mlp_prefix(layer_index))

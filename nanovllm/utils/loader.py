@@ -56,7 +56,22 @@ def load_model(model: nn.Module, config: Config) -> dict[int, dict[str, torch.Te
         tensors = random_tensors(config.hf_config, dtype=param.dtype, device=str(param.device))
     else:
         tensors = checkpoint_tensors(config.model)
-    return load_tensors(model, tensors, config.model)
+    kv_scales = load_tensors(model, tensors, config.model)
+    process_weights_after_loading(model)
+    return kv_scales
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let each quantized layer's method repack, fold or quantize what it loaded (once)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every weight the model keeps (a tied LM head counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def checkpoint_tensors(path: str) -> Iterator[tuple[str, object]]:

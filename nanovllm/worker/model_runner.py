@@ -26,7 +26,7 @@ from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from nanovllm.models.registry import build_model
-from nanovllm.utils.loader import load_model
+from nanovllm.utils.loader import load_model, weight_bytes
 from nanovllm.worker.cuda_graph import DecodeGraphs
 from nanovllm.worker.kv_cache import KVCache, cpu_budget_bytes
 from nanovllm.worker.sampling_inputs import build_sampling_tensors, logprobs_by_row
@@ -83,6 +83,7 @@ class ModelRunner:
             self.model = build_model(config.model_config)
         checkpoint_kv_scales = load_model(self.model, config)
         self.model.eval()
+        self.weight_bytes = weight_bytes(self.model)   # this rank's
         if conn is not None:
             conn.send(LOADED)
         for worker in self.workers:     # before the first collective, which would hang on a dead rank

@@ -1,0 +1,196 @@
+"""Linear layers with float8 (e4m3) weights and activations: y = dequant(x_q) @ dequant(w_q).T + bias.
+
+Weights w_q [N, K] float8 carry float32 scales w_s [N, G]: one per output row and group of
+`group_size` input columns (G = ceil(K / group_size)). Per-channel scales are the case G = 1
+(group_size = K); a per-tensor scale is a per-channel one repeated; block [128, 128] scales are kept
+per row (each row repeats its block's scale), so every layout is one kernel.
+
+Activations are quantized per token, or per token and group for G > 1, right before the GEMM:
+scale = max|x| / 448 over the token's (group of) columns, x_q = e4m3(x / scale). A static
+per-tensor input scale (checkpoints that ship `input_scale`) replaces the per-token maximum.
+
+The GEMM sums each group's float8 products in float32 and scales them by a_s[m, g] * w_s[n, g]:
+    y[m, n] = sum_g a_s[m, g] * w_s[n, g] * sum_{k in g} x_q[m, k] * w_q[n, k]
+`quantize_activation_ref` and `fp8_matmul_ref` are the torch twins (dequantize, then a float32
+matmul); they are also the CPU path. On Hopper the per-channel case may go to torch._scaled_mm
+(cuBLASLt, row-wise scales) instead of the Triton kernel: `SCALED_MM_PER_CHANNEL` says which,
+as measured by scripts/fp8_gemm_check.py.
+"""
+import torch
+
+from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from nanovllm.kernels.triton_compat import cuda_major_capability, pdl_launch, tl, triton, wait_for_previous_kernel
+
+# the smallest activation scale: a token of zeros quantizes to zeros instead of dividing by zero
+ACT_SCALE_FLOOR = 1e-12
+# Per-channel GEMMs on Hopper through torch._scaled_mm (True) or the Triton kernel (False).
+SCALED_MM_PER_CHANNEL = True
+
+
+def num_groups(k: int, group_size: int) -> int:
+    return -(-k // group_size)
+
+
+def quantize_activation_ref(x: torch.Tensor, group_size: int,
+                            static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x_q [M, K] e4m3, scales [M, G] float32); a static scale (one element) is used as is."""
+    m, k = x.shape
+    if static_scale is not None:
+        scales = static_scale.float().reshape(1, 1).expand(m, 1)
+    else:
+        padded = torch.nn.functional.pad(x.float(), (0, num_groups(k, group_size) * group_size - k))
+        absmax = padded.abs().reshape(m, -1, group_size).amax(dim=-1)
+        scales = (absmax / FP8_MAX).clamp_min(ACT_SCALE_FLOOR)
+    x_q = (x.float() / scales.repeat_interleave(group_size, dim=1)[:, :k]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return x_q, scales.contiguous()
+
+
+def dequantize_ref(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[R, K] float8 and [R, G] scales -> float32 [R, K]."""
+    return q.float() * scales.float().repeat_interleave(group_size, dim=-1)[..., :q.shape[-1]]
+
+
+def fp8_matmul_ref(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
+                   out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    y = dequantize_ref(x_q, x_s, group_size) @ dequantize_ref(w_q, w_s, group_size).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """x (float32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, in float32. The cast
+    that follows is then exact: Triton's interpreter rounds some values that carry into the next
+    power of two wrongly (127 -> 64), GPUs do not; both now give the same bits."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)   # 3 mantissa bits
+    subnormal = tl.floor(x * 512.0 + 0.5) / 512.0     # below 2^-6 the step is 2^-9
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, GROUP, NUM_GROUPS,
+                     STATIC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
+    row, group = tl.program_id(0), tl.program_id(1)
+    start = group * GROUP
+    end = tl.minimum(start + GROUP, K)
+    if STATIC:
+        scale = tl.load(static_ptr)
+    else:
+        absmax = tl.zeros([BLOCK], dtype=tl.float32)
+        for off in range(start, end, BLOCK):
+            cols = off + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + row * stride_x + cols, mask=cols < end, other=0.0).to(tl.float32)
+            absmax = tl.maximum(absmax, tl.abs(x))
+        scale = tl.maximum(tl.max(absmax, axis=0) / 448.0, 1e-12)
+    tl.store(s_ptr + row * NUM_GROUPS + group, scale)
+    for off in range(start, end, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < end, other=0.0).to(tl.float32)
+        q = round_to_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))
+        tl.store(q_ptr + row * K + cols, q.to(tl.float8e4nv), mask=cols < end)
+
+
+def quantize_activation(x: torch.Tensor, group_size: int,
+                        static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton twin of `quantize_activation_ref` (x [M, K], last dimension contiguous)."""
+    m, k = x.shape
+    assert x.stride(1) == 1
+    groups = 1 if static_scale is not None else num_groups(k, group_size)
+    x_q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return x_q, scales
+    block = min(1024, triton.next_power_of_2(min(k, group_size)))
+    _quantize_kernel[(m, groups)](x, x_q, scales, static_scale if static_scale is not None else scales, k,
+                                  x.stride(0), k if static_scale is not None else group_size, groups,
+                                  STATIC=static_scale is not None, BLOCK=block, **pdl_launch(x))
+    return x_q, scales
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K, NUM_GROUPS, GROUP,
+                     HAS_BIAS: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok, col_ok = rows < M, cols < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_ok = k + ks < K
+        a = tl.load(a_ptr + rows[:, None] * K + k + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[:, None] * K + k + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if PER_GROUP:   # BLOCK_K divides the group: scale each step's products by its group's scales
+            g = k // GROUP
+            a_s = tl.load(a_s_ptr + rows * NUM_GROUPS + g, mask=row_ok, other=0.0)
+            w_s = tl.load(w_s_ptr + cols * NUM_GROUPS + g, mask=col_ok, other=0.0)
+            acc += tl.dot(a, tl.trans(w)) * a_s[:, None] * w_s[None, :]
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    if not PER_GROUP:
+        a_s = tl.load(a_s_ptr + rows, mask=row_ok, other=0.0)
+        w_s = tl.load(w_s_ptr + cols, mask=col_ok, other=0.0)
+        acc = acc * a_s[:, None] * w_s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def gemm_tile(m: int, group_size: int, per_group: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): short tiles for decode, tall for prefill."""
+    block_k = min(128, group_size) if per_group else 128
+    if m <= 16:
+        return 16, 64, block_k, 4, 4
+    if m <= 64:
+        return 64, 64, block_k, 4, 4
+    return 128, 128, block_k, 8, 3
+
+
+def fp8_matmul(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
+               out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton twin of `fp8_matmul_ref`: x_q [M, K], x_s [M, G] (or [M, 1] for per-channel), w_q [N, K]
+    contiguous, w_s [N, G]. A per-group GEMM needs group_size a power of two of at least 16."""
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    groups = w_s.shape[1]
+    per_group = groups > 1
+    assert not per_group or (group_size >= 16 and group_size & (group_size - 1) == 0)
+    out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
+    if m == 0:
+        return out
+    block_m, block_n, block_k, warps, stages = gemm_tile(m, group_size, per_group)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _fp8_gemm_kernel[grid](x_q, x_s, w_q, w_s, bias if bias is not None else w_s, out, m, n, k, groups,
+                           group_size, HAS_BIAS=bias is not None, PER_GROUP=per_group, BLOCK_M=block_m,
+                           BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_launch(x_q))
+    return out
+
+
+def scaled_mm_per_channel(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
+                          out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """torch._scaled_mm with row-wise scales (Hopper): x_s [M, 1], w_s [N, 1]."""
+    return torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=w_s.reshape(1, -1), bias=bias, out_dtype=out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
+               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] 16/32-bit -> [..., N] in x's dtype: quantize the activations, then the float8 GEMM.
+    The CPU runs the twins."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    if not x.is_cuda:
+        x_q, x_s = quantize_activation_ref(x, group_size, input_scale)
+        y = fp8_matmul_ref(x_q, x_s, w_q, w_s, group_size, x.dtype, bias)
+    else:
+        x_q, x_s = quantize_activation(x.contiguous() if x.stride(-1) != 1 else x, group_size, input_scale)
+        if w_s.shape[1] == 1 and SCALED_MM_PER_CHANNEL and cuda_major_capability(x) >= 9 and x.dtype == torch.bfloat16:
+            y = scaled_mm_per_channel(x_q, x_s, w_q, w_s, x.dtype, bias)
+        else:
+            y = fp8_matmul(x_q, x_s, w_q, w_s, group_size, x.dtype, bias)
+    return y.reshape(*shape[:-1], y.shape[-1])
