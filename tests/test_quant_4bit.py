@@ -6,7 +6,6 @@ The checkpoints are written by nanovllm/utils/quantized_checkpoint.py (see tests
 for where each detail of the published layouts was checked)."""
 import json
 import os
-import random
 
 import pytest
 import torch
@@ -154,43 +153,30 @@ def test_bad_checkpoints_are_named_before_any_weight_is_read(sources, tmp_path, 
 
 
 # ---- the trained demo model -----------------------------------------------------------------------
+# scripts/quantized_demo_accuracy.py measures the full sets; the test takes a sample to stay fast.
 
-def demo_accuracy(path: str, training, seed: int) -> tuple[float, float]:
-    from nanovllm.demo import capitals
-    params = SamplingParams(temperature=0, max_tokens=8)
-    pairs = random.Random(1234).sample(training.held_out_pairs(seed), 200)
-    countries = capitals()
-    with LLM(path, device="cpu", kvcache_block_size=16, num_kvcache_blocks=512) as llm:
-        sums = llm.chat([[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in pairs], params,
-                        use_tqdm=False)
-        caps = llm.chat([[{"role": "user", "content": q.format(c=country)}]
-                         for country, _ in countries for q in training.CAPITAL_QUESTIONS], params, use_tqdm=False)
-    sums_right = sum(o["text"] == str(a + b) for o, (a, b) in zip(sums, pairs)) / len(pairs)
-    expected = [capital for _, capital in countries for _ in training.CAPITAL_QUESTIONS]
-    return sums_right, sum(o["text"] == c for o, c in zip(caps, expected)) / len(expected)
+@pytest.fixture(scope="module")
+def accuracy():
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "quantized_demo_accuracy", Path(__file__).resolve().parent.parent / "scripts" / "quantized_demo_accuracy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return lambda path: module.demo_accuracy(path, num_additions=60, phrasings=1)
 
 
 @pytest.fixture(scope="module")
-def demo():
-    """(the demo model's directory, its training script as a module, the training seed, its 16-bit accuracy)."""
-    import importlib.util
-    from pathlib import Path
-
+def full_accuracy(accuracy):
     from nanovllm.demo import model_path
-    script = Path(__file__).resolve().parent.parent / "scripts" / "train_demo_model.py"
-    spec = importlib.util.spec_from_file_location("train_demo_model", script)
-    training = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(training)
-    with open(os.path.join(model_path(), "training.json")) as f:
-        seed = json.load(f)["arguments"]["seed"]
-    return model_path(), training, seed, demo_accuracy(model_path(), training, seed)
+    return accuracy(model_path())
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq"])
-def test_demo_model_keeps_its_accuracy_in_four_bits(tmp_path, demo, fmt):
-    path, training, seed, full = demo
+def test_demo_model_keeps_its_accuracy_in_four_bits(tmp_path, accuracy, full_accuracy, fmt):
+    from nanovllm.demo import model_path
     write = write_awq_checkpoint if fmt == "awq" else write_gptq_checkpoint
-    quantized = demo_accuracy(write(path, str(tmp_path / fmt), group_size=128), training, seed)
-    print(f"demo model, 16-bit sums {full[0]:.1%} capitals {full[1]:.1%}; {fmt} 4-bit "
+    quantized = accuracy(write(model_path(), str(tmp_path / fmt), group_size=128))
+    print(f"demo model, 16-bit sums {full_accuracy[0]:.1%} capitals {full_accuracy[1]:.1%}; {fmt} 4-bit "
           f"sums {quantized[0]:.1%} capitals {quantized[1]:.1%}")
-    assert quantized[0] >= full[0] - 0.05 and quantized[1] >= full[1] - 0.05
+    assert quantized[0] >= full_accuracy[0] - 0.05 and quantized[1] >= full_accuracy[1] - 0.05
