@@ -86,12 +86,15 @@ class GPTQLinearMethod(WeightOnlyIntMethod):
         layer.qweight = shard_param(torch.empty(input_size // per_word, out, dtype=torch.int32),
                                     output_dim=1, input_dim=0, units={0: per_word})
         layer.g_idx = shard_param(torch.empty(input_size, dtype=torch.int32), input_dim=0)
+        row_parallel = isinstance(layer, RowParallelLinear) and layer.tp_size > 1
         if g == -1:                                  # one group: every rank keeps it
             groups, split = 1, {}
-        elif self.config.desc_act and isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
+        elif self.config.desc_act and row_parallel:
             groups, split = input_size * layer.tp_size // g, {}
         else:
             groups, split = input_size // g, dict(input_dim=0, units={0: g})
+        # g_idx counts groups of the whole layer; this rank keeps its scales from this group on
+        layer.first_group = layer.tp_rank * groups if split and row_parallel else 0
         words = {1: per_word}
         layer.qzeros = shard_param(torch.empty(groups, out // per_word, dtype=torch.int32), output_dim=1,
                                    input_dim=split.get("input_dim"), units={**split.get("units", {}), **words})
@@ -103,11 +106,8 @@ class GPTQLinearMethod(WeightOnlyIntMethod):
         packed = gptq_for_gemm(layer.qweight.data, layer.qzeros.data, layer.scales.data, self.bits,
                                c.zeros_minus_one, layer.params_dtype)
         rows, groups = layer.g_idx.numel(), layer.scales.shape[0]
-        first_group = 0
-        if c.group_size != -1 and groups * c.group_size == rows:      # groups split with the rows
-            first_group = layer.tp_rank * groups if isinstance(layer, RowParallelLinear) else 0
-        g_idx = layer.g_idx.data.long() - first_group
-        run = rows // groups
-        if torch.equal(g_idx, torch.arange(rows, device=g_idx.device) // run):
+        g_idx = layer.g_idx.data.long() - layer.first_group
+        run = max(1, rows // groups)
+        if torch.equal(g_idx, torch.arange(rows, device=g_idx.device) // run):   # groups are runs of rows
             return packed, run, None
         return packed, c.group_size, g_idx
