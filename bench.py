@@ -27,8 +27,9 @@ def main():
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--enable-prefix-caching", type=int, default=1, help="1 or 0")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
-    parser.add_argument("--quantization", default=None, choices=["fp8"],
-                        help="fp8: quantize the 16-bit weights while loading (per-channel float8)")
+    parser.add_argument("--quantization", default=None, choices=["fp8", "awq", "gptq"],
+                        help="fp8: quantize the 16-bit weights while loading (per-channel float8); awq, gptq: "
+                             "with --config, random weights stored 4-bit as those checkpoints are (group 128)")
     parser.add_argument("--kv-offload-gib", type=float, default=0.0, help="the prefix cache's host tier")
     args = parser.parse_args()
 

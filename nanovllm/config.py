@@ -52,6 +52,10 @@ class Config:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         self.hf_config = load_hf_config(self.model, needs_weights=self.load_format == "auto")
+        if self.load_format == "dummy" and isinstance(self.quantization, str) and \
+                getattr(self.hf_config, "quantization_config", None) is None:
+            from nanovllm.quantization import random_weights_config   # random weights stored as that format's
+            self.hf_config.quantization_config = random_weights_config(self.quantization)
         self.model_config = read_model_config(self.hf_config, self.quantization)
         self._check_device()
         if self.model_config.quantization is not None:

@@ -11,6 +11,8 @@ from nanovllm.quantization.base import QuantizationConfig
 QUANTIZATION_METHODS = {
     "fp8": "nanovllm.quantization.fp8:Fp8Config",
     "compressed-tensors": "nanovllm.quantization.compressed_tensors:CompressedTensorsConfig",
+    "awq": "nanovllm.quantization.awq:AWQConfig",
+    "gptq": "nanovllm.quantization.gptq:GPTQConfig",
 }
 # methods that quantize a 16-bit checkpoint while loading it (`quantization=` on an unquantized model)
 ONLINE_METHODS = ("fp8",)
@@ -47,3 +49,9 @@ def read_quantization(checkpoint_config: dict | None, quantization: str | None) 
         raise ValueError(f"quantization={quantization!r} disagrees with the checkpoint, whose "
                          f"quantization_config.quant_method is {method!r}; pass quantization={method!r} or None")
     return config_class(method).from_config(checkpoint_config)
+
+
+def random_weights_config(method: str) -> dict | None:
+    """quantization_config for random weights of a 16-bit shape in checkpoint format `method`
+    (load_format "dummy"); None for methods that quantize online."""
+    return config_class(method).random_weights_config()

@@ -100,6 +100,17 @@ class QuantizationConfig:
         """The config that quantizes a 16-bit checkpoint while loading (formats in ONLINE_METHODS)."""
         raise NotImplementedError
 
+    @classmethod
+    def random_weights_config(cls) -> dict | None:
+        """The quantization_config random weights (load_format "dummy") of a 16-bit shape take
+        when `quantization` names this checkpoint format; None: the method quantizes online."""
+        return None
+
+    def quantize_checkpoint(self, tensors):
+        """(name, tensor) of random 16-bit weights (load_format "dummy") -> as this format's
+        checkpoints store them; online methods take them as they are."""
+        return tensors
+
     def describe(self) -> str:
         """A few words for the start-up line, e.g. 'fp8 (block 128x128)'."""
         return self.name

@@ -54,6 +54,8 @@ def load_model(model: nn.Module, config: Config) -> dict[int, dict[str, torch.Te
         from nanovllm.utils.random_checkpoint import random_tensors
         param = next(model.parameters())
         tensors = random_tensors(config.hf_config, dtype=param.dtype, device=str(param.device))
+        if config.model_config.quantization is not None:
+            tensors = config.model_config.quantization.quantize_checkpoint(tensors)
     else:
         tensors = checkpoint_tensors(config.model)
     kv_scales = load_tensors(model, tensors, config.model)

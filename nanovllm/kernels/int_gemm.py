@@ -1,0 +1,136 @@
+"""Weight-only integer GEMM: y = x @ W with W stored in 4 or 8 bits, dequantized in registers.
+
+One layout serves AWQ and GPTQ (both are repacked into it once, after loading):
+- qweight int32 [in / (32 / bits), out]: consecutive input rows packed per word in plain order
+  (row 8r + i in bits [4i, 4i + 4) for 4 bits), so a tile of rows is one load per column;
+- scales [groups, out] and scaled_zeros [groups, out] in the activation dtype, with
+  W[k, n] = q[k, n] * scales[g, n] - scaled_zeros[g, n] (zeros pre-multiplied: one FMA per weight);
+- the group g of input row k: k // group_size, or g_idx[k] for GPTQ act-order checkpoints, whose
+  groups are not runs of rows (the tile then gathers its scales row by row).
+
+Two launch shapes of one kernel. Decode (a few rows): the product is bound by reading the weight
+bytes, so the K dimension is split over programs (SPLIT_K) to put every SM on the weight stream,
+and the partial products meet in a float32 buffer by atomic adds. Prefill: a tile of the weight is
+dequantized to the activation dtype and fed to the tensor cores, K walked by one program.
+"""
+from typing import NamedTuple
+
+import torch
+
+from nanovllm.kernels.triton_compat import tl, triton
+
+
+def dequantize_packed(qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor, bits: int,
+                      group_size: int, g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """The common layout -> W [in, out] in float32 (computed as the kernel does: q * s - z * s)."""
+    per_word = 32 // bits
+    shifts = (torch.arange(per_word, device=qweight.device) * bits).reshape(1, -1, 1)
+    q = ((qweight.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1, qweight.shape[1])
+    rows = torch.arange(q.shape[0], device=q.device)
+    groups = g_idx.long() if g_idx is not None else rows // group_size
+    return q.float() * scales.float()[groups] - scaled_zeros.float()[groups]
+
+
+def int_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,
+                 bits: int, group_size: int, g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch twin of int_gemm: the weight rounded to x's dtype, products summed in float32."""
+    w = dequantize_packed(qweight, scales, scaled_zeros, bits, group_size, g_idx).to(x.dtype)
+    return (x.float() @ w.float()).to(x.dtype)
+
+
+@triton.jit(do_not_specialize=["M"])   # one compiled kernel for every row count (graphs capture many)
+def _int_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr, M, N, K,
+                     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
+                     UNPACK_BY_RESHAPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    PER_WORD: tl.constexpr = 32 // BITS
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = split * K_PER_SPLIT
+    for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if UNPACK_BY_RESHAPE:
+            # one load per word, its PER_WORD rows spread out in registers
+            kw = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+            words = tl.load(qweight_ptr + kw[:, None] * N + cols[None, :],
+                            mask=(kw < K // PER_WORD)[:, None] & col_ok[None, :], other=0)
+            shifts = tl.arange(0, PER_WORD) * BITS
+            q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), (BLOCK_K, BLOCK_N))
+        else:
+            # each word loaded once per row it serves: the repeated addresses are one memory transaction
+            words = tl.load(qweight_ptr + (ks // PER_WORD)[:, None] * N + cols[None, :],
+                            mask=k_ok[:, None] & col_ok[None, :], other=0)
+            q = (words >> ((ks % PER_WORD) * BITS)[:, None]) & ((1 << BITS) - 1)
+        if ONE_GROUP_PER_TILE:
+            group = k0 // GROUP_SIZE
+            s = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            z = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        else:
+            if HAS_G_IDX:
+                groups = tl.load(g_idx_ptr + ks, mask=k_ok, other=0)
+            else:
+                groups = ks // GROUP_SIZE
+            offsets = groups[:, None] * N + cols[None, :]
+            mask = k_ok[:, None] & col_ok[None, :]
+            s = tl.load(scales_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(zeros_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        w = (q.to(tl.float32) * s - z).to(x.dtype)
+        acc += tl.dot(x, w, input_precision=INPUT_PRECISION)
+    out = out_ptr + rows[:, None] * N + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K > 1:
+        tl.atomic_add(out, acc, mask=mask)
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+class LaunchConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int            # programs sharing one output tile's K range (float32 atomic partial sums)
+    num_warps: int
+    num_stages: int
+    unpack_by_reshape: bool  # load each word once and spread its rows, or load it once per row
+
+
+# Chosen by scripts/int_gemm_bench.py --sweep on an H100 (Qwen3-8B projections, bfloat16): the
+# decode shape was the fastest at 1 and 16 rows for three of the four projections (second for
+# gate_up); the prefill shape the fastest at 256 rows for qkv, o and down (gate_up: 64x128x64).
+DECODE_MAX_ROWS = 16
+DECODE_CONFIG = LaunchConfig(16, 64, 128, 4, 4, 4, True)
+PREFILL_CONFIG = LaunchConfig(64, 64, 128, 1, 4, 3, True)
+
+
+def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,
+             bits: int, group_size: int, g_idx: torch.Tensor | None = None,
+             config: LaunchConfig | None = None) -> torch.Tensor:
+    """x [M, K] contiguous @ the packed weight -> [M, N] in x's dtype. x is float16 or bfloat16 on
+    CUDA (float32 failed to compile there, on an H100 with Triton 3.6); float32 too in the interpreter."""
+    if x.is_cuda and x.dtype == torch.float32:
+        raise TypeError("int_gemm: x must be float16 or bfloat16 on CUDA; use int_gemm_ref for float32")
+    m, k = x.shape
+    n = qweight.shape[1]
+    block_m, block_n, block_k, split_k, num_warps, num_stages, by_reshape = config or (
+        DECODE_CONFIG if m <= DECODE_MAX_ROWS else PREFILL_CONFIG)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    block_n = min(block_n, max(16, triton.next_power_of_2(n)))
+    split_k = max(1, min(split_k, k // block_k))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    one_group = g_idx is None and group_size % block_k == 0
+    out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k > 1 else \
+        torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
+    _int_gemm_kernel[grid](x, qweight, scales, scaled_zeros, g_idx if g_idx is not None else qweight, out, m, n, k,
+                           BITS=bits, GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None,
+                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+                           K_PER_SPLIT=k_per_split, ONE_GROUP_PER_TILE=one_group,
+                           UNPACK_BY_RESHAPE=by_reshape, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+                           num_warps=num_warps, num_stages=num_stages)
+    return out.to(x.dtype) if split_k > 1 else out

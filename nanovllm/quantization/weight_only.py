@@ -1,0 +1,66 @@
+"""What AWQ and GPTQ share: integer weights with a scale and zero per group of input rows, turned
+once after loading into the layout of nanovllm/kernels/int_gemm.py and multiplied there (on the
+GPU, 16-bit activations) or by its torch twin (on the CPU, and for float32). Activations stay
+unquantized: weight-only quantization.
+"""
+import torch
+from torch import nn
+
+from nanovllm.kernels.int_gemm import int_gemm, int_gemm_ref
+from nanovllm.quantization.base import LinearMethod
+
+
+class WeightOnlyIntMethod(LinearMethod):
+    """A subclass creates its format's parameters and says how they become the GEMM's layout."""
+
+    def __init__(self, bits: int):
+        self.bits = bits
+
+    def gemm_layout(self, layer: nn.Module) -> tuple[dict[str, torch.Tensor], int, torch.Tensor | None]:
+        """The loaded tensors -> ({qweight, scales, scaled_zeros} in the GEMM's layout and the
+        model's dtype, rows per group, per-row group index or None when groups are runs of rows)."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        packed, group_size, g_idx = self.gemm_layout(layer)
+        for name, _ in list(layer.named_parameters(recurse=False)):
+            if name != "bias":
+                delattr(layer, name)
+        for name, tensor in packed.items():
+            setattr(layer, name, nn.Parameter(tensor.contiguous(), requires_grad=False))
+        layer.g_idx = None if g_idx is None else nn.Parameter(g_idx.to(torch.int32).contiguous(), requires_grad=False)
+        layer.group_size = group_size
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # the Triton kernel on the GPU for 16-bit activations; the twin on the CPU and for float32
+        gemm = int_gemm if x.is_cuda and x.dtype != torch.float32 else int_gemm_ref
+        y = gemm(x.reshape(-1, x.shape[-1]).contiguous(), layer.qweight, layer.scales, layer.scaled_zeros,
+                 self.bits, layer.group_size, layer.g_idx)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if bias is None else y + bias
+
+
+def linear_shapes(model_config, tensor_parallel_size: int) -> dict[str, tuple[int, list[int]]]:
+    """Each linear layer kind of a dense decoder layer -> (input features, output features of each
+    part) on one rank, as nanovllm/layers/linear.py splits them."""
+    c, tp = model_config, tensor_parallel_size
+    q, kv = c.num_heads // tp * c.head_dim, max(1, c.num_kv_heads // tp) * c.head_dim
+    return {"qkv_proj": (c.hidden_size, [q, kv, kv]), "o_proj": (c.num_heads * c.head_dim // tp, [c.hidden_size]),
+            "gate_up_proj": (c.hidden_size, [c.intermediate_size // tp] * 2),
+            "down_proj": (c.intermediate_size // tp, [c.hidden_size])}
+
+
+def check_groups(method: str, model_config, tensor_parallel_size: int, group_size: int, columns_per_word: int) -> None:
+    """ValueError naming `quantization` when a layer's input rows (on one rank) are not whole groups
+    or its output parts are not whole packed words; also for experts, which these formats do not cover here."""
+    if model_config.num_experts:
+        raise ValueError(f"quantization: {method} checkpoints of mixture-of-experts models are not supported")
+    for name, (inputs, outputs) in linear_shapes(model_config, tensor_parallel_size).items():
+        if group_size != -1 and inputs % group_size:
+            raise ValueError(f"quantization: {method} group_size={group_size} does not divide the {inputs} input "
+                             f"features of {name}" + (f" on each of {tensor_parallel_size} ranks"
+                                                      if tensor_parallel_size > 1 else ""))
+        if any(size % columns_per_word for size in outputs):
+            raise ValueError(f"quantization: {method} packs {columns_per_word} columns per int32, which does not "
+                             f"divide the output features {outputs} of {name}"
+                             + (f" on each of {tensor_parallel_size} ranks" if tensor_parallel_size > 1 else ""))
