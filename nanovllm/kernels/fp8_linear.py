@@ -14,7 +14,7 @@ The GEMM sums each group's float8 products in float32 and scales them by a_s[m, 
 `quantize_activation_ref` and `fp8_matmul_ref` are the torch twins (dequantize, then a float32
 matmul); they are also the CPU path. On Hopper the per-channel case may go to torch._scaled_mm
 (cuBLASLt, row-wise scales) instead of the Triton kernel: `SCALED_MM_PER_CHANNEL` says which,
-as measured by scripts/fp8_gemm_check.py.
+as measured (docs/benchmarks.md, quantized weights).
 """
 import torch
 
@@ -24,7 +24,7 @@ from nanovllm.kernels.triton_compat import cuda_major_capability, pdl_launch, tl
 # the smallest activation scale: a token of zeros quantizes to zeros instead of dividing by zero
 ACT_SCALE_FLOOR = 1e-12
 # Per-channel GEMMs on Hopper through torch._scaled_mm (True) or the Triton kernel (False). Measured
-# on one H100 (scripts/fp8_gemm_check.py, Qwen3-8B projections): _scaled_mm is as fast or faster at
+# on one H100 (Qwen3-8B projections, docs/benchmarks.md; the timing script is in git history): _scaled_mm is as fast or faster at
 # most batch sizes (gate_up M=4096: 678 us against 754, bf16 1,191); bench.py with the 8B shape,
 # online FP8 and FP8 KV: 10,998 tok/s with it, 9,967 with the Triton kernel.
 SCALED_MM_PER_CHANNEL = True
