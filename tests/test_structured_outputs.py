@@ -96,9 +96,9 @@ def assert_idle(llm) -> None:
 
 def test_json_schema_answers_validate_over_seeds_and_temperatures(llm):
     before = llm.scheduler.num_preemptions
-    outputs = llm.generate(prompts(12), [params(JSON, i) for i in range(12)], use_tqdm=False)
+    outputs = llm.generate(prompts(10), [params(JSON, i) for i in range(10)], use_tqdm=False)
     values = [assert_valid_json(out) for out in outputs]
-    assert len({json.dumps(v, sort_keys=True) for v in values}) > 6      # sampled, not one answer
+    assert len({json.dumps(v, sort_keys=True) for v in values}) > 5      # sampled, not one answer
     for out in outputs:     # the grammar ends with the stop token, which the text does not show
         assert out["token_ids"][-1] in llm.config.eos_token_ids
     assert llm.scheduler.num_preemptions > before
@@ -168,7 +168,7 @@ def test_logprobs_are_the_models_own(llm, hf_model_cache, hf_greedy):
 
 
 def test_stop_strings_cut_a_structured_answer(llm):
-    outputs = llm.generate(prompts(4, seed=4), [params(JSON, i, stop=['"e"']) for i in range(4)], use_tqdm=False)
+    outputs = llm.generate(prompts(3, seed=4), [params(JSON, i, stop=['"e"']) for i in range(3)], use_tqdm=False)
     for out in outputs:
         assert out["finish_reason"] == "stop" and '"e"' not in out["text"]
         assert out["text"].startswith('{"s": "')
@@ -249,10 +249,10 @@ def test_interrupted_steps_leave_every_matcher_consistent(llm, target, k, after,
 
 
 def test_chat_renders_tools_and_template_kwargs(llm):
-    template = ("{% if tools %}TOOLS:{% for t in tools %}{{ t['function']['name'] }};{% endfor %}\n{% endif %}"
-                "{% if enable_thinking is defined and not enable_thinking %}NOTHINK\n{% endif %}"
+    template = ("{% if tools %}TOOLS:{% for t in tools %}{{ t['function']['name'] }};{% endfor %}|{% endif %}"
+                "{% if enable_thinking is defined and not enable_thinking %}NOTHINK|{% endif %}"
                 "{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}"
-                "{% if m.tool_calls %}CALL {{ m.tool_calls[0]['function']['name'] }}{% endif %}\n{% endfor %}"
+                "{% if m.tool_calls %}CALL {{ m.tool_calls[0]['function']['name'] }}{% endif %}|{% endfor %}"
                 "assistant:")
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     messages = [{"role": "user", "content": "Paris?"},
@@ -264,7 +264,7 @@ def test_chat_renders_tools_and_template_kwargs(llm):
         out = llm.chat(messages, params(StructuredOutputsParams(choice=["yes", "no"])), use_tqdm=False, tools=tools,
                        chat_template_kwargs={"enable_thinking": False})[0]
         prompt = llm.tokenizer.decode(out["prompt_token_ids"])
-        assert prompt.startswith("TOOLS:get_weather;\nNOTHINK\nuser: Paris?\nassistant: CALL get_weather\ntool: sunny")
+        assert prompt == "TOOLS:get_weather;|NOTHINK|user: Paris?|assistant: CALL get_weather|tool: sunny|assistant:"
         assert out["text"] in ("yes", "no")
         assert "NOTHINK" not in llm.tokenizer.decode(llm.apply_chat_template(messages[:1]))
         with pytest.raises(TypeError, match="tools"):
@@ -301,8 +301,8 @@ def test_structured_requests_cross_the_engine_process_boundary(llm):
 def test_utf8_guard_allows_exactly_the_continuations_python_decodes(llm):
     """After a lone lead byte E0, ED, F0 or F4, a continuation byte is allowed exactly when the two
     can begin a valid UTF-8 sequence (judged by Python's decoder)."""
-    guard = llm.structured.utf8_guard
-    vocab = llm.structured.compiler.tokenizer_info.decoded_vocab
+    manager = llm._structured_output_manager()
+    guard, vocab = manager.utf8_guard, manager.tokenizer_info.decoded_vocab
     singles = {token[0]: token_id for token_id, token in enumerate(vocab) if len(token) == 1 and token[0] >= 0x80}
     for lead, allowed in guard.allowed_after.items():
         for byte in range(0x80, 0xC0):
@@ -312,7 +312,7 @@ def test_utf8_guard_allows_exactly_the_continuations_python_decodes(llm):
             bit = bool((int(allowed[token_id // 32]) >> (token_id % 32)) & 1)
             tail = b"\x80" * (2 if lead >= 0xF0 else 1)
             try:
-                bytes([lead, byte]).__add__(tail).decode("utf-8")
+                (bytes([lead, byte]) + tail).decode("utf-8")
                 valid = True
             except UnicodeDecodeError:
                 valid = False

@@ -195,8 +195,9 @@ class LLMEngine:
             "prefix_cache_hits": sched.prefix_cache_hits,
             "prompt_tokens": sched.num_prompt_tokens,
             "generation_tokens": sched.num_generation_tokens,
-            # structured outputs: host seconds spent filling token masks, and rows masked
+            # structured outputs: host seconds spent filling token masks, the steps and rows masked
             "structured_output_mask_seconds": self.structured.mask_seconds if self.structured else 0.0,
+            "structured_output_mask_steps": self.structured.num_masked_steps if self.structured else 0,
             "structured_output_masked_rows": self.structured.num_masked_rows if self.structured else 0,
         }
 

@@ -72,15 +72,16 @@ class StructuredOutputManager:
         # the model's vocabulary may be larger than the tokenizer's (padding rows): those ids are never allowed
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=list(stop_token_ids))
+        self.tokenizer_info = info
         self.compiler = xgrammar.GrammarCompiler(info)
         self.utf8_guard = Utf8Guard(info.decoded_vocab, vocab_size)
         self.batch_matcher = xgrammar.BatchGrammarMatcher()
         self.vocab_size = vocab_size
         self.pin_memory = pin_memory
         self.compiled: OrderedDict[tuple, object] = OrderedDict()
-        # cumulative, for stats(): host time spent filling masks, and rows masked
+        # cumulative, for stats(): host time spent filling masks, the steps and rows masked
         self.mask_seconds = 0.0
-        self.num_masked_rows = 0
+        self.num_masked_steps = self.num_masked_rows = 0
 
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar of params (cached), or a ValueError naming the field that fails."""
@@ -141,6 +142,7 @@ class StructuredOutputManager:
         self.batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         self.utf8_guard.apply(bitmask, [seqs[row] for row in rows], rows)
         self.mask_seconds += time.perf_counter() - start
+        self.num_masked_steps += 1
         self.num_masked_rows += len(rows)
         return bitmask, None if len(rows) == len(seqs) else rows
 
