@@ -17,7 +17,7 @@ import argparse
 import time
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
-from nanovllm.utils.bench_workload import bench_requests
+from nanovllm.utils.bench_workload import add_model_arguments, bench_requests, model_engine_args
 from nanovllm.utils.random_checkpoint import cached_shape
 
 # an array of small typed records, at least 400 of them: longer than any output here
@@ -37,9 +37,7 @@ BENCH_SCHEMA = {
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="local Hugging Face checkpoint directory of a supported family")
-    source.add_argument("--config", help="config.json of a model shape (see configs/); weights are random")
+    add_model_arguments(parser)
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--min-input-len", type=int, default=100)
     parser.add_argument("--max-input-len", type=int, default=1024)
@@ -54,10 +52,12 @@ def main():
                         help="also run every request under a JSON schema, and compare")
     args = parser.parse_args()
 
-    path = args.model or cached_shape(args.config, text_pieces=args.structured_json)
-    llm = LLM(path, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
-              enforce_eager=args.enforce_eager, enable_prefix_caching=bool(args.enable_prefix_caching),
-              kv_cache_dtype=args.kv_cache_dtype, load_format="auto" if args.model else "dummy")
+    engine_args = model_engine_args(args)
+    if args.structured_json and args.config:     # a vocabulary in which JSON can be written
+        engine_args["model"] = cached_shape(args.config, text_pieces=True)
+    llm = LLM(**engine_args, max_model_len=args.max_model_len,
+              tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+              enable_prefix_caching=bool(args.enable_prefix_caching), kv_cache_dtype=args.kv_cache_dtype)
 
     requests = bench_requests(args.num_seqs, (args.min_input_len, args.max_input_len),
                               (args.min_output_len, args.max_output_len))
@@ -75,9 +75,8 @@ def main():
         before = llm.stats()
         constrained = run(llm, prompts, sampling_params, "JSON schema: ")
         after = llm.stats()
-        seconds = after["structured_output_mask_seconds"] - before["structured_output_mask_seconds"]
-        steps = after["structured_output_mask_steps"] - before["structured_output_mask_steps"]
-        rows = after["structured_output_masked_rows"] - before["structured_output_masked_rows"]
+        seconds, steps, rows = (after[key] - before[key] for key in (
+            "structured_output_mask_seconds", "structured_output_mask_steps", "structured_output_masked_rows"))
         print(f"JSON schema / unconstrained: {constrained / throughput:.1%}; host mask filling: {seconds:.2f}s, "
               f"{1e3 * seconds / max(steps, 1):.2f} ms per step over {steps} steps, "
               f"{1e6 * seconds / max(rows, 1):.1f} us per row, {rows} rows masked")
