@@ -168,7 +168,7 @@ class Utf8Guard:
 
     def apply(self, bitmask: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
         for seq, row in zip(seqs, rows):
-            lead = self.lead_of.get(seq.token_ids[-1]) if seq.num_completion_tokens else None
+            lead = self.lead_of.get(seq.token_ids[-1]) if len(seq.token_ids) > seq.num_prompt_tokens else None
             if lead is not None:
                 bitmask[row] &= self.allowed_after[lead]
 
