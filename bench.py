@@ -6,12 +6,33 @@ throughput = output tokens / wall time.
 
     python bench.py --model ~/huggingface/Qwen3-0.6B
     python bench.py --config configs/qwen3-0.6b.json     # random weights of that shape, drawn on the device
+
+--structured-json runs the workload twice on one engine: unconstrained, then with every request
+under one JSON schema (BENCH_SCHEMA: records that never complete within the output lengths, so every
+token is sampled under a mask), and prints both throughputs and the host time spent filling masks.
+With --config the tokenizer is one of text pieces (random_checkpoint.write_text_piece_tokenizer),
+of the config's vocabulary size, so that JSON can be written and masks cost what a real one's would.
 """
 import argparse
 import time
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.utils.bench_workload import add_model_arguments, bench_requests, model_engine_args
+from nanovllm.utils.random_checkpoint import cached_shape
+
+# an array of small typed records, at least 400 of them: longer than any output here
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {"records": {"type": "array", "minItems": 400, "items": {
+        "type": "object",
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                       "name": {"type": "string", "maxLength": 8},
+                       "kind": {"enum": ["alpha", "beta", "gamma"]},
+                       "ok": {"type": "boolean"},
+                       "score": {"type": "number"}},
+        "required": ["id", "name", "kind", "ok"]}}},
+    "required": ["records"],
+}
 
 
 def main():
@@ -31,9 +52,14 @@ def main():
                         help="fp8: quantize the 16-bit weights while loading (per-channel float8); awq, gptq: "
                              "with --config, random weights stored 4-bit as those checkpoints are (group 128)")
     parser.add_argument("--kv-offload-gib", type=float, default=0.0, help="the prefix cache's host tier")
+    parser.add_argument("--structured-json", action="store_true",
+                        help="also run every request under a JSON schema, and compare")
     args = parser.parse_args()
 
-    llm = LLM(**model_engine_args(args), max_model_len=args.max_model_len,
+    engine_args = model_engine_args(args)
+    if args.structured_json and args.config:     # a vocabulary in which JSON can be written
+        engine_args["model"] = cached_shape(args.config, text_pieces=True)
+    llm = LLM(**engine_args, max_model_len=args.max_model_len,
               tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
               enable_prefix_caching=bool(args.enable_prefix_caching), kv_cache_dtype=args.kv_cache_dtype,
               kv_offload_gib=args.kv_offload_gib, quantization=args.quantization)
@@ -45,12 +71,31 @@ def main():
                        for _, max_tokens in requests]
 
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+    throughput = run(llm, prompts, sampling_params)
+    if args.structured_json:
+        structured = StructuredOutputsParams(json=BENCH_SCHEMA, disable_any_whitespace=True)
+        llm.generate(["Benchmark: "], SamplingParams(structured_outputs=structured), use_tqdm=False)  # compiles
+        for sp in sampling_params:
+            sp.structured_outputs = structured
+        before = llm.stats()
+        constrained = run(llm, prompts, sampling_params, "JSON schema: ")
+        after = llm.stats()
+        seconds, steps, rows = (after[key] - before[key] for key in (
+            "structured_output_mask_seconds", "structured_output_mask_steps", "structured_output_masked_rows"))
+        print(f"JSON schema / unconstrained: {constrained / throughput:.1%}; host mask filling: {seconds:.2f}s, "
+              f"{1e3 * seconds / max(steps, 1):.2f} ms per step over {steps} steps, "
+              f"{1e6 * seconds / max(rows, 1):.1f} us per row, {rows} rows masked")
+
+
+def run(llm: LLM, prompts, sampling_params, label: str = "") -> float:
+    """Generate the workload; print and return its throughput (output tokens per second)."""
     start = time.perf_counter()
     outputs = llm.generate(prompts, sampling_params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     total = sum(len(o["token_ids"]) for o in outputs)
     assert total == sum(sp.max_tokens for sp in sampling_params)
-    print(f"Total: {total}tok, Time: {elapsed:.2f}s, Throughput: {total / elapsed:.2f}tok/s")
+    print(f"{label}Total: {total}tok, Time: {elapsed:.2f}s, Throughput: {total / elapsed:.2f}tok/s")
+    return total / elapsed
 
 
 if __name__ == "__main__":

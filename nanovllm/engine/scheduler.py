@@ -182,8 +182,10 @@ class Scheduler:
         return batch
 
     def speculates(self) -> bool:
-        """Will a decode step now verify proposals? (The engine then collects every step first.)"""
-        return self.proposer is not None and len(self.running) <= SPECULATION_MAX_RUNNING
+        """Will a decode step now verify proposals? (The engine then collects every step first.) Not
+        while a sequence runs under a grammar: each proposed position would need its own token mask."""
+        return (self.proposer is not None and len(self.running) <= SPECULATION_MAX_RUNNING
+                and all(seq.grammar is None for seq in self.running))
 
     def _add_drafts(self, batch: ScheduledBatch) -> None:
         """Ask the proposer for each decoding sequence and reserve blocks for what it proposes; a
