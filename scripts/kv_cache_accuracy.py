@@ -65,10 +65,10 @@ class StepLogitsRecorder:
         runner = llm.model_runner
         launch, sampler = runner.launch, runner.sampler
 
-        def recording_launch(batch):
+        def recording_launch(batch, **kwargs):
             # ask before launch: the scheduler records the step after it
             self.step = (batch.is_prefill, [seq.request_id for seq in batch.sampled_seqs()])
-            return launch(batch)
+            return launch(batch, **kwargs)
 
         def recording_sampler(logits, params):
             is_prefill, request_ids = self.step

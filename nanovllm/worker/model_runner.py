@@ -254,20 +254,15 @@ class ModelRunner:
         seqs = batch.sampled_seqs()
         if not seqs:
             return LaunchedStep(seqs)
-        to_host = lambda t: None if t is None else t.to("cpu", non_blocking=True)  # noqa: E731
-        if batch.draft_token_ids is not None:
+        if batch.draft_token_ids is not None:     # a verify step samples at once (never constrained)
             out, num_accepted = self._verify(logits, seqs, batch.draft_token_ids)
-            step = LaunchedStep(seqs, draft_lens=list(map(len, batch.draft_token_ids)),
-                                num_accepted=to_host(num_accepted))
-        else:
-            out = self.sampler(logits, self.prepare_sampling(seqs))
-            self.last_token_ids = out.token_ids      # the next step reads its pending tokens from here
-            step = LaunchedStep(seqs)
-        step.out = SamplerOutput(to_host(out.token_ids), to_host(out.logprobs), to_host(out.top_logprobs),
-                                 to_host(out.top_token_ids))
-        step.done = torch.cuda.Event() if self.is_cuda else None
-        if step.done is not None:
-            step.done.record()
+            step = LaunchedStep(seqs, draft_lens=list(map(len, batch.draft_token_ids)))
+            step.num_accepted = None if num_accepted is None else num_accepted.to("cpu", non_blocking=True)
+            self._to_host(step, out)
+            return step
+        step = LaunchedStep(seqs, logits=logits, sampling=self.prepare_sampling(seqs))
+        if sample:
+            self.sample(step)
         return step
 
     def _verify(self, logits: torch.Tensor, seqs: list[Sequence],
@@ -278,10 +273,6 @@ class ModelRunner:
                                           self.unseeded, self._host_to_device, positions)
         verify = build_verify_tensors(drafts, positions, self._host_to_device)
         return rejection_sample(logits, sampling, verify)
-        step = LaunchedStep(seqs, logits=logits, sampling=self.prepare_sampling(seqs))
-        if sample:
-            self.sample(step)
-        return step
 
     @torch.inference_mode()
     def sample(self, step: LaunchedStep, token_bitmask: tuple[torch.Tensor, list[int] | None] | None = None) -> None:
@@ -293,10 +284,14 @@ class ModelRunner:
         out = self.sampler(step.logits, step.sampling)
         step.logits = step.sampling = None
         self.last_token_ids = out.token_ids      # the next step reads its pending tokens from here
+        self._to_host(step, out)
+
+    def _to_host(self, step: LaunchedStep, out: SamplerOutput) -> None:
+        """Start copying a step's sampled tokens to the host; `step.done` marks when they are there."""
         to_host = lambda t: None if t is None else t.to("cpu", non_blocking=True)  # noqa: E731
-        host = SamplerOutput(to_host(out.token_ids), to_host(out.logprobs), to_host(out.top_logprobs),
-                             to_host(out.top_token_ids))
-        step.out, step.done = host, torch.cuda.Event() if self.is_cuda else None
+        step.out = SamplerOutput(to_host(out.token_ids), to_host(out.logprobs), to_host(out.top_logprobs),
+                                 to_host(out.top_token_ids))
+        step.done = torch.cuda.Event() if self.is_cuda else None
         if step.done is not None:
             step.done.record()
 
