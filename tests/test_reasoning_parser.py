@@ -21,6 +21,9 @@ CASES = [
     (qwen3, "<think>\n\n</think>\n\nHi", "\n\n", "\n\nHi"),
     (qwen3, "<think>cut short <thi", "cut short <thi", ""),                 # never closed: all reasoning
     (qwen3, "a <thin", "", "a <thin"),
+    (qwen3, "<thin", "", "<thin"),
+    (qwen3, "text first <think>x</think>", "", "text first <think>x</think>"),   # only an opening block
+    (qwen3, '{"a": "<think>"}', "", '{"a": "<think>"}'),
     (qwen3, "<think>a</think>b<think>c</think>", "a", "b<think>c</think>"),  # one block only
     (deepseek_r1, "<think>\nreason\n</think>answer", "\nreason\n", "answer"),
     (deepseek_r1, "reason without the opening tag</think>\nanswer", "reason without the opening tag", "\nanswer"),

@@ -1,11 +1,13 @@
 """A chat choice's text as OpenAI's message fields: `reasoning_content` (the reasoning parser's part),
 then `content` and `tool_calls` (the tool parser's reading of the rest). Streams feed it each new
 piece of text; whole responses feed the whole text at once, through the same parsers."""
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from nanovllm.serve.reasoning_parser import ReasoningParser
-from nanovllm.serve.tool_parsers import ToolParser
+from nanovllm.serve.protocol import ChatCompletionRequest
+from nanovllm.serve.reasoning_parser import REASONING_PARSERS, ReasoningParser, qwen3
+from nanovllm.serve.tool_parsers import TOOL_PARSERS, NamedCallParser, ToolParser, required_calls
 
 
 @dataclass(slots=True)
@@ -15,6 +17,23 @@ class ChatOutputParsing:
     tool_parser: Callable[[], ToolParser] | None = None
     parallel_tool_calls: bool = True           # False: only the first call is kept
     calls_finish_as_tool_calls: bool = True    # finish_reason "tool_calls" (not for a named function, as OpenAI)
+
+    @classmethod
+    def for_request(cls, request: ChatCompletionRequest, constrained: bool, tool_call_parser: str | None,
+                    reasoning_parser: str | None) -> "ChatOutputParsing":
+        """The parsers a request's output goes through on a server with these parsers (tool_choice
+        "auto" is only served with a tool-call parser). Calls the server constrains are JSON with
+        no reasoning; under any other constraint, which holds from the first token, an output
+        reasons only if it opens with <think>. `enable_thinking: false` means no reasoning."""
+        mode = request.tool_mode
+        tools = {"auto": TOOL_PARSERS.get(tool_call_parser), "required": required_calls, "none": None}.get(mode)
+        if mode == "named":
+            tools = functools.partial(NamedCallParser, request.named_tool.function.name)
+        thinking = (request.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+        reasoning = None
+        if reasoning_parser is not None and thinking and mode not in ("required", "named"):
+            reasoning = qwen3 if constrained else REASONING_PARSERS[reasoning_parser]
+        return cls(reasoning, tools, request.parallel_tool_calls, calls_finish_as_tool_calls=mode != "named")
 
     def new_choice(self) -> "ChoiceOutputParser":
         return ChoiceOutputParser(self)
