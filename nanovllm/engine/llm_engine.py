@@ -22,6 +22,7 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer, decode_many
 from nanovllm.worker.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.structured_output import StructuredOutputManager
 from nanovllm.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 
 Prompt = str | list[int]
@@ -74,6 +75,7 @@ class LLMEngine:
         # made when text is needed before a sequence ends (stop strings, streaming); by (request, index)
         self.detokenizers: dict[tuple[Hashable, int], IncrementalDetokenizer] = {}
         self.num_prefill_tokens = self.num_decode_tokens = 0   # of the last step, for the progress bar
+        self.structured: StructuredOutputManager | None = None  # made by the first constrained request
         capacity = self.model_runner.num_kvcache_blocks * config.kvcache_block_size
         print(f"nanovllm: {config.model_config.num_layers}-layer {config.model_config.architecture} on {config.device} "
               f"({str(config.torch_dtype).removeprefix('torch.')}), KV cache {self.model_runner.num_kvcache_blocks} "
@@ -135,7 +137,15 @@ class LLMEngine:
         bad = [t for t in sampling_params.stop_token_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if sampling_params.structured_outputs is not None:    # compiled (and cached) before any work
+            self._structured_output_manager().compile(sampling_params.structured_outputs)
         return sampling_params
+
+    def _structured_output_manager(self) -> StructuredOutputManager:
+        if self.structured is None:
+            self.structured = StructuredOutputManager(self.tokenizer, self.config.model_config.vocab_size,
+                                                      self.config.eos_token_ids, self.config.device == "cuda")
+        return self.structured
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     request_id: Hashable | None = None) -> Hashable:
@@ -149,6 +159,8 @@ class LLMEngine:
 
     def _add(self, token_ids: list[int], sampling_params: SamplingParams, request_id: Hashable | None = None):
         seq = Sequence(token_ids, sampling_params, request_id)
+        if sampling_params.structured_outputs is not None:
+            seq.grammar = self.structured.new_grammar(sampling_params.structured_outputs, sampling_params.ignore_eos)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq.request_id
@@ -183,6 +195,9 @@ class LLMEngine:
             "prefix_cache_hits": sched.prefix_cache_hits,
             "prompt_tokens": sched.num_prompt_tokens,
             "generation_tokens": sched.num_generation_tokens,
+            # structured outputs: host seconds spent filling token masks, and rows masked
+            "structured_output_mask_seconds": self.structured.mask_seconds if self.structured else 0.0,
+            "structured_output_masked_rows": self.structured.num_masked_rows if self.structured else 0,
         }
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -236,9 +251,15 @@ class LLMEngine:
 
     def _step(self) -> list[Sequence]:
         batch = self.scheduler.schedule()
-        launched = self.model_runner.launch(batch) if batch.seqs else None
+        # A constrained sequence's mask depends on the token the step in flight is sampling for it:
+        # its step runs the model now but samples only once that token is collected and the mask
+        # filled, while the device computes this step's logits. Other batches sample at once.
+        constrained = self.structured is not None and any(seq.grammar is not None for seq in batch.seqs)
+        launched = self.model_runner.launch(batch, sample=not constrained) if batch.seqs else None
         grown = self._collect() if self.in_flight else []     # the step before, done meanwhile
         if launched is not None:
+            if constrained and launched.seqs:
+                self.model_runner.sample(launched, self.structured.token_bitmask(launched.seqs))
             self.scheduler.advance(batch)
             self.in_flight = launched
             # beams are chosen on the host before their next step: no overlap for a step with beams
@@ -262,6 +283,10 @@ class LLMEngine:
             seqs = step.seqs
         grown = self.scheduler.fill(seqs, token_ids, logprobs)
         for seq in grown:
+            if seq.grammar is not None:
+                seq.grammar.catch_up(seq)
+                if seq.grammar.finished and not seq.is_finished:
+                    self.scheduler.finish(seq, "stop")
             if seq.sampling_params.stop:
                 self._apply_stop_strings(seq)
             if seq.is_finished:

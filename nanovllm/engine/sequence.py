@@ -47,6 +47,7 @@ class Sequence:
         self.beam_search = None           # the request's beam search, for a beam
         self.cum_logprob = 0.0            # beam search: sum of the chosen tokens' logprobs
         self.beam_candidates: dict[int, float] | None = None   # beam search: next tokens' logprobs
+        self.grammar = None               # its SequenceGrammar, under structured outputs
 
     @property
     def prefill_target(self) -> int:
@@ -62,6 +63,7 @@ class Sequence:
         child.token_ids, child.block_table = list(self.token_ids), list(self.block_table)
         child.block_hashes = list(self.block_hashes)
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
+        child.grammar = None if self.grammar is None else self.grammar.fork()
         self.group.append(child)
         return child
 

@@ -24,6 +24,10 @@ class SamplingTensors:
     min_p: torch.Tensor | None = None     # [n] float32, 0 where off
     banned_tokens: dict[int, list[int]] | None = None   # row -> ids not allowed yet (min_tokens)
     max_logprobs: int | None = None       # top alternatives to report; None: no logprobs asked
+    # structured outputs: bit t of row r's mask allows token t ([n, ceil(vocab / 32)] int32, from
+    # xgrammar), applied to the rows listed (None: all); None when no row is constrained
+    token_bitmask: torch.Tensor | None = None
+    bitmask_rows: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -46,11 +50,16 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _ban(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-        if not params.banned_tokens:
+        """Logits with what min_tokens and the grammars forbid at -inf, for sampling only: logprobs
+        are the model's own."""
+        if not params.banned_tokens and params.token_bitmask is None:
             return logits
         logits = logits.clone()
-        for row, token_ids in params.banned_tokens.items():
+        for row, token_ids in (params.banned_tokens or {}).items():
             logits[row, token_ids] = float("-inf")
+        if params.token_bitmask is not None:
+            from xgrammar import apply_token_bitmask_inplace   # installed wherever a grammar was compiled
+            apply_token_bitmask_inplace(logits, params.token_bitmask, indices=params.bitmask_rows)
         return logits
 
     @staticmethod

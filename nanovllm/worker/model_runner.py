@@ -37,10 +37,13 @@ from nanovllm.worker.tp import LOADED, Worker, deferred_keyboard_interrupt, star
 @dataclass(slots=True)
 class LaunchedStep:
     """A step queued on the device: the sequences it samples, in row order, and host copies of its
-    sampler output that are valid once `done` has passed."""
+    sampler output that are valid once `done` has passed. Launched without sampling, it holds its
+    logits and sampling tensors until `ModelRunner.sample` (token masks come later)."""
     seqs: list[Sequence]
     out: SamplerOutput | None = None
     done: torch.cuda.Event | None = None
+    logits: torch.Tensor | None = None
+    sampling: SamplingTensors | None = None
 
 
 @contextlib.contextmanager
@@ -216,23 +219,35 @@ class ModelRunner:
                                       self.unseeded, self._host_to_device)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
-        """Queue one scheduled step (model and sampling) on the device and return without waiting,
-        so the host can prepare the next step while this one runs."""
+    def launch(self, batch: ScheduledBatch, sample: bool = True) -> LaunchedStep:
+        """Queue one scheduled step (model and, unless `sample` is False, sampling) on the device and
+        return without waiting, so the host can prepare the next step while this one runs."""
         inputs = self.prepare_step(batch)
         logits = self._execute_with_workers(inputs) if self.workers else self.execute(inputs)
         seqs = batch.sampled_seqs()
         if not seqs:
             return LaunchedStep(seqs)
-        out = self.sampler(logits, self.prepare_sampling(seqs))
+        step = LaunchedStep(seqs, logits=logits, sampling=self.prepare_sampling(seqs))
+        if sample:
+            self.sample(step)
+        return step
+
+    @torch.inference_mode()
+    def sample(self, step: LaunchedStep, token_bitmask: tuple[torch.Tensor, list[int] | None] | None = None) -> None:
+        """Queue a launched step's sampling, under the grammars' token bitmask (rows, see
+        StructuredOutputManager.token_bitmask) if any."""
+        if token_bitmask is not None:
+            bitmask, step.sampling.bitmask_rows = token_bitmask
+            step.sampling.token_bitmask = bitmask.to(self.device, non_blocking=True)
+        out = self.sampler(step.logits, step.sampling)
+        step.logits = step.sampling = None
         self.last_token_ids = out.token_ids      # the next step reads its pending tokens from here
         to_host = lambda t: None if t is None else t.to("cpu", non_blocking=True)  # noqa: E731
         host = SamplerOutput(to_host(out.token_ids), to_host(out.logprobs), to_host(out.top_logprobs),
                              to_host(out.top_token_ids))
-        done = torch.cuda.Event() if self.is_cuda else None
-        if done is not None:
-            done.record()
-        return LaunchedStep(seqs, host, done)
+        step.out, step.done = host, torch.cuda.Event() if self.is_cuda else None
+        if step.done is not None:
+            step.done.record()
 
     def _execute_with_workers(self, inputs: StepInputs) -> torch.Tensor | None:
         """Send a step to the workers and run rank 0's share. A Ctrl-C waits until the step is done

@@ -27,7 +27,7 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids:
             # a seeded sequence's noise depends only on its seed, its index among the request's
             # n completions, and how many tokens it has made
             seeds[row] = xxhash.xxh64_intdigest(f"{p.seed}/{seqs[row].index}/{num_generated}".encode()) >> 1
-        if num_generated < p.min_tokens:
+        if num_generated < p.min_tokens and p.structured_outputs is None:   # a grammar decides its end
             banned[row] = ([] if p.ignore_eos else list(eos_token_ids)) + p.stop_token_ids
         if p.logprobs is not None:
             asked.append(p.logprobs)
