@@ -9,6 +9,7 @@ forces such text, and the parsed fields are judged against the same text read by
 regex (the parsers' cut-anywhere tests are in test_tool_parsers.py / test_reasoning_parser.py)."""
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -19,20 +20,21 @@ from tests.qwen3_style_model import write_qwen3_style_model
 from tests.test_serve import engine_flags, free_port, start_server, wait_ready
 
 MODEL_NAME = "tiny-qwen3-style"
-ENGINE_ARGS = dict(device="cpu", max_model_len=768, kvcache_block_size=16, num_kvcache_blocks=240)
+# tools in the system prompt take about 1000 tokens of this small vocabulary
+ENGINE_ARGS = dict(device="cpu", max_model_len=2048, kvcache_block_size=16, num_kvcache_blocks=1200)
 SEEDS_AND_TEMPERATURES = [(0, 0.0), (1, 0.7), (2, 1.0), (3, 1.0), (4, 1.5), (5, 0.7)]
 
 TOOLS = [
     {"type": "function", "function": {
         "name": "get_weather", "description": "The weather in a city",
         "parameters": {"type": "object", "required": ["city", "unit"], "properties": {
-            "city": {"type": "string", "maxLength": 12},
+            "city": {"type": "string", "pattern": "^[A-Za-z]{1,8}$"},
             "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
             "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}},
     {"type": "function", "function": {
         "name": "search", "description": "Search the web",
         "parameters": {"type": "object", "required": ["query"], "properties": {
-            "query": {"type": "string", "maxLength": 16},
+            "query": {"type": "string", "pattern": "^[a-z ]{1,10}$"},
             "filters": {"type": "array", "items": {"type": "string", "enum": ["news", "images"]}, "maxItems": 2},
             "options": {"type": "object", "properties": {"safe": {"type": "boolean"}}, "required": ["safe"]}}}}},
     {"type": "function", "function": {"name": "now", "description": "The time"}},        # no parameters
@@ -58,6 +60,18 @@ def client(path) -> openai.OpenAI:
     yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
     process.kill()
     process.wait(60)
+
+
+def concurrently(*calls) -> list:
+    """Run the calls (functions of no arguments) at once, so the engine batches them; their results."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [future.result() for future in [pool.submit(call) for call in calls]]
+
+
+def whole_and_streamed(client, requests: list[dict]) -> list[tuple[list[dict], list[dict]]]:
+    """(whole, streamed) choices of each request, all sent at once."""
+    results = concurrently(*[lambda r=r, read=read: read(client, **r) for r in requests for read in (whole, streamed)])
+    return list(zip(results[::2], results[1::2]))
 
 
 def calls_of(tool_calls) -> list[tuple[str, str]]:
@@ -109,31 +123,29 @@ def check_call(name: str, arguments: str) -> None:
     jsonschema.validate(json.loads(arguments), PARAMETERS[name])
 
 
-@pytest.mark.parametrize("seed,temperature", SEEDS_AND_TEMPERATURES)
-def test_named_function_calls_validate_and_stream_alike(client, seed, temperature):
-    for name in ("get_weather", "search", "now"):
-        kwargs = dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": name}}, n=2, seed=seed,
-                      temperature=temperature)
-        choices = whole(client, **kwargs)
-        assert streamed(client, **kwargs) == choices
+def test_named_function_calls_validate_and_stream_alike(client):
+    requests = [dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": name}}, n=2, seed=seed,
+                     temperature=temperature)
+                for name in ("get_weather", "search", "now") for seed, temperature in SEEDS_AND_TEMPERATURES]
+    for request, (choices, streamed_choices) in zip(requests, whole_and_streamed(client, requests)):
+        assert streamed_choices == choices
         for choice in choices:
             assert choice["finish"] == "stop" and choice["content"] is None and len(choice["calls"]) == 1, choice
-            assert choice["calls"][0][0] == name
+            assert choice["calls"][0][0] == request["tool_choice"]["function"]["name"]
             check_call(*choice["calls"][0])
 
 
-@pytest.mark.parametrize("seed,temperature", SEEDS_AND_TEMPERATURES)
-def test_required_calls_validate_and_stream_alike(client, seed, temperature):
-    kwargs = dict(tools=TOOLS, tool_choice="required", n=2, seed=seed, temperature=temperature)
-    choices = whole(client, **kwargs)
-    assert streamed(client, **kwargs) == choices
-    for choice in choices:
-        assert choice["finish"] == "tool_calls" and choice["content"] is None and choice["calls"], choice
-        for call in choice["calls"]:
-            check_call(*call)
-    for choice in whole(client, **kwargs, parallel_tool_calls=False):
-        assert choice["finish"] == "tool_calls" and len(choice["calls"]) == 1
-        check_call(*choice["calls"][0])
+def test_required_calls_validate_and_stream_alike(client):
+    requests = [dict(tools=TOOLS, tool_choice="required", n=2, seed=seed, temperature=temperature,
+                     parallel_tool_calls=parallel)
+                for seed, temperature in SEEDS_AND_TEMPERATURES for parallel in (True, False)]
+    for request, (choices, streamed_choices) in zip(requests, whole_and_streamed(client, requests)):
+        assert streamed_choices == choices
+        for choice in choices:
+            assert choice["finish"] == "tool_calls" and choice["content"] is None and choice["calls"], choice
+            assert request["parallel_tool_calls"] or len(choice["calls"]) == 1
+            for call in choice["calls"]:
+                check_call(*call)
 
 
 # a model's own hermes-style calls, forced: content first, then one or two blocks
@@ -142,43 +154,47 @@ WRITTEN_CALLS = (r'(Let me check\.\n\n)?'
                  r'"unit": "(celsius|fahrenheit)"\}\}\n</tool_call>\n?){1,2}')
 
 
-@pytest.mark.parametrize("seed,temperature", SEEDS_AND_TEMPERATURES)
-def test_auto_turns_written_calls_into_tool_calls(client, seed, temperature):
-    kwargs = dict(tools=TOOLS, n=2, seed=seed, temperature=temperature, extra_body={"guided_regex": WRITTEN_CALLS})
-    raw = whole(client, **{**kwargs, "tool_choice": "none"})          # the same text, not parsed
-    parsed = whole(client, **kwargs)                                    # tool_choice "auto": the default
-    assert streamed(client, **kwargs) == parsed
-    for text, choice in zip(raw, parsed, strict=True):
-        assert re.fullmatch(WRITTEN_CALLS, text["content"]) and text["calls"] == []
-        blocks = re.findall(r"<tool_call>\n(.*?)\n</tool_call>", text["content"])
-        expected = [(json.loads(b)["name"], json.dumps(json.loads(b)["arguments"])) for b in blocks]
-        assert choice["calls"] == expected and choice["finish"] == "tool_calls"
-        assert choice["content"] == (text["content"].split("<tool_call>")[0] or None)
-        for call in choice["calls"]:
-            check_call(*call)
+def test_auto_turns_written_calls_into_tool_calls(client):
+    requests = [dict(tools=TOOLS, n=2, seed=seed, temperature=temperature, extra_body={"guided_regex": WRITTEN_CALLS})
+                for seed, temperature in SEEDS_AND_TEMPERATURES]
+    # tool_choice "none": the same text (same prompt, same seed), not parsed; "auto" is the default
+    raws = concurrently(*[lambda r=r: whole(client, **r, tool_choice="none") for r in requests])
+    for raw, (parsed, streamed_parsed) in zip(raws, whole_and_streamed(client, requests)):
+        assert streamed_parsed == parsed
+        for text, choice in zip(raw, parsed, strict=True):
+            assert re.fullmatch(WRITTEN_CALLS, text["content"]) and text["calls"] == []
+            blocks = re.findall(r"<tool_call>\n(.*?)\n</tool_call>", text["content"])
+            expected = [(json.loads(b)["name"], json.dumps(json.loads(b)["arguments"])) for b in blocks]
+            assert choice["calls"] == expected and choice["finish"] == "tool_calls"
+            assert choice["content"] == (text["content"].split("<tool_call>")[0] or None)
+            for call in choice["calls"]:
+                check_call(*call)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_unconstrained_auto_streams_as_it_answers(client, seed):
-    """Whatever the random model writes, the stream's pieces join to the whole answer."""
-    kwargs = dict(tools=TOOLS, n=2, seed=seed, temperature=1.0, max_tokens=40)
-    assert streamed(client, **kwargs) == whole(client, **kwargs)
+def test_unconstrained_auto_streams_as_it_answers(client):
+    """Whatever the random model writes (its vocabulary has <tool_call> and <think> tokens), the
+    stream's pieces join to the whole answer."""
+    requests = [dict(tools=TOOLS, n=2, seed=seed, temperature=1.0, max_tokens=40) for seed in range(6)]
+    for choices, streamed_choices in whole_and_streamed(client, requests):
+        assert streamed_choices == choices
 
 
 THINKING = r"<think>\n[a-z ]{1,20}\n</think>\n\n[a-z ]{1,20}"
 
 
-@pytest.mark.parametrize("seed,temperature", SEEDS_AND_TEMPERATURES[:4])
-def test_reasoning_content_split_off_streamed_or_not(client, seed, temperature):
-    kwargs = dict(seed=seed, temperature=temperature, n=2, extra_body={"structured_outputs": {"regex": THINKING}})
-    choices = whole(client, **kwargs)
-    assert streamed(client, **kwargs) == choices
-    for choice in choices:
-        assert re.fullmatch(r"\n[a-z ]{1,20}\n", choice["reasoning"]), choice
-        assert re.fullmatch(r"\n\n[a-z ]{1,20}", choice["content"]) and choice["finish"] == "stop", choice
-    off = dict(kwargs, extra_body={**kwargs["extra_body"], "chat_template_kwargs": {"enable_thinking": False}})
-    for choice in whole(client, **off):                  # no reasoning asked: the block stays content
-        assert choice["reasoning"] is None and re.fullmatch(THINKING, choice["content"])
+def test_reasoning_content_split_off_streamed_or_not(client):
+    requests = [dict(seed=seed, temperature=temperature, n=2, extra_body={"structured_outputs": {"regex": THINKING}})
+                for seed, temperature in SEEDS_AND_TEMPERATURES]
+    off = [dict(r, extra_body={**r["extra_body"], "chat_template_kwargs": {"enable_thinking": False}}) for r in requests]
+    results = whole_and_streamed(client, requests)
+    without_thinking = concurrently(*[lambda r=r: whole(client, **r) for r in off])
+    for (choices, streamed_choices), unthinking in zip(results, without_thinking):
+        assert streamed_choices == choices
+        for choice in choices:
+            assert re.fullmatch(r"\n[a-z ]{1,20}\n", choice["reasoning"]), choice
+            assert re.fullmatch(r"\n\n[a-z ]{1,20}", choice["content"]) and choice["finish"] == "stop", choice
+        for choice in unthinking:                   # no reasoning asked: the block stays content
+            assert choice["reasoning"] is None and re.fullmatch(THINKING, choice["content"])
 
 
 def test_history_with_calls_and_results_reaches_the_template(client, path):

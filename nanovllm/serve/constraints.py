@@ -2,7 +2,11 @@
 `response_format`, vLLM's `structured_outputs` and its older `guided_*` fields, or the calls that
 `tool_choice: "required"` or a named function demand (vLLM's way: a named function's output is its
 arguments object under the function's parameters schema; "required" is a JSON array of
-{"name": one of the tools, "parameters": that tool's arguments})."""
+{"name": one of the tools, "parameters": that tool's arguments}).
+
+JSON held to a schema leaves no optional whitespace (separators ", " and ": " only), except where
+`structured_outputs.disable_any_whitespace` says otherwise: random or weak models loop on optional
+whitespace and never finish, and OpenAI's fields give a client no way to ask for it."""
 from dataclasses import dataclass
 
 from nanovllm.serve.errors import APIError
@@ -49,14 +53,16 @@ def _params(request: SamplingFields, field: str) -> StructuredOutputsParams:
     if field == "response_format":
         fmt = request.response_format
         schema = fmt.json_schema.json_schema if fmt.json_schema else None
-        return StructuredOutputsParams(json=schema) if schema is not None else StructuredOutputsParams(json_object=True)
+        if schema is None:
+            return StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     if field == "structured_outputs":
         given = request.structured_outputs
         return StructuredOutputsParams(json=given.json_schema, json_object=given.json_object, regex=given.regex,
                                        choice=given.choice, grammar=given.grammar,
                                        disable_any_whitespace=given.disable_any_whitespace)
     kind = field.removeprefix("guided_")
-    return StructuredOutputsParams(**{kind: getattr(request, field)})
+    return StructuredOutputsParams(**{kind: getattr(request, field)}, disable_any_whitespace=kind == "json")
 
 
 def tool_call_constraint(request: ChatCompletionRequest) -> Constraint | None:

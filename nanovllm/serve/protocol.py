@@ -17,7 +17,7 @@ class StreamOptions(BaseModel):
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid")
     name: str
     description: str | None = None
     json_schema: dict | None = Field(None, alias="schema")
@@ -39,7 +39,7 @@ class ResponseFormat(BaseModel):
 
 class StructuredOutputsFields(BaseModel):
     """vLLM's `structured_outputs` request field (nanovllm.StructuredOutputsParams)."""
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid")
     json_schema: dict | StrictStr | None = Field(None, alias="json")
     json_object: bool = False
     regex: StrictStr | None = None
