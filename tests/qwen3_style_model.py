@@ -57,5 +57,7 @@ def write_qwen3_style_model(path: str, seed: int = 3) -> str:
     tokenizer.add_tokens(AGENT_TOKENS)
     tokenizer.chat_template = QWEN3_STYLE_TEMPLATE
     tokenizer.save_pretrained(path)
-    write_random_checkpoint(path, tiny_config(len(tokenizer)), seed=seed, dtype=torch.float32)
+    # tools in the system prompt take about 1000 tokens of this small vocabulary
+    config = tiny_config(len(tokenizer), max_position_embeddings=4096)
+    write_random_checkpoint(path, config, seed=seed, dtype=torch.float32)
     return path

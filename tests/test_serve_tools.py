@@ -22,7 +22,7 @@ from tests.test_serve import engine_flags, free_port, start_server, wait_ready
 MODEL_NAME = "tiny-qwen3-style"
 # tools in the system prompt take about 1000 tokens of this small vocabulary
 ENGINE_ARGS = dict(device="cpu", max_model_len=2048, kvcache_block_size=16, num_kvcache_blocks=1200)
-SEEDS_AND_TEMPERATURES = [(0, 0.0), (1, 0.7), (2, 1.0), (3, 1.0), (4, 1.5), (5, 0.7)]
+SEEDS_AND_TEMPERATURES = [(0, 0.0), (1, 0.7), (2, 1.0), (3, 1.5)]
 
 TOOLS = [
     {"type": "function", "function": {
@@ -57,7 +57,7 @@ def client(path) -> openai.OpenAI:
     process = start_server(path, port, "--served-model-name", MODEL_NAME, "--enable-auto-tool-choice",
                            "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", *engine_flags(ENGINE_ARGS))
     wait_ready(process, port)
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=900)
     process.kill()
     process.wait(60)
 
@@ -150,7 +150,7 @@ def test_required_calls_validate_and_stream_alike(client):
 
 # a model's own hermes-style calls, forced: content first, then one or two blocks
 WRITTEN_CALLS = (r'(Let me check\.\n\n)?'
-                 r'(<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Za-z]{1,10}", '
+                 r'(<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Za-z]{1,8}", '
                  r'"unit": "(celsius|fahrenheit)"\}\}\n</tool_call>\n?){1,2}')
 
 
@@ -174,7 +174,7 @@ def test_auto_turns_written_calls_into_tool_calls(client):
 def test_unconstrained_auto_streams_as_it_answers(client):
     """Whatever the random model writes (its vocabulary has <tool_call> and <think> tokens), the
     stream's pieces join to the whole answer."""
-    requests = [dict(tools=TOOLS, n=2, seed=seed, temperature=1.0, max_tokens=40) for seed in range(6)]
+    requests = [dict(tools=TOOLS, n=2, seed=seed, temperature=1.0, max_tokens=40) for seed in range(4)]
     for choices, streamed_choices in whole_and_streamed(client, requests):
         assert streamed_choices == choices
 
