@@ -216,9 +216,10 @@ class AsyncLLM:
 
     # ---- caller side (any event loop) ----------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
         """Token ids of one conversation with the generation prompt (reads only the tokenizer)."""
-        return apply_chat_template(self.tokenizer, messages, self.config.model)
+        return apply_chat_template(self.tokenizer, messages, self.config.model, tools, chat_template_kwargs)
 
     def stats(self) -> dict:
         """The engine's counters and gauges as of its last message (see LLMEngine.stats)."""

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.models.model_config import ModelConfig
+from nanovllm.models.registry import read_model_config
 from nanovllm.utils.validation import check_int, check_number
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -47,7 +48,7 @@ class Config:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         self.hf_config = load_hf_config(self.model, needs_weights=self.load_format == "auto")
-        self.model_config = ModelConfig.from_hf(self.hf_config)
+        self.model_config = read_model_config(self.hf_config)
         self._check_device()
         self._check_sizes()
         self.torch_dtype = self._resolve_dtype()
@@ -118,7 +119,7 @@ class Config:
 
 
 def load_hf_config(model: str, needs_weights: bool = True) -> PretrainedConfig:
-    """The checkpoint's config.json as transformers reads it; `ModelConfig.from_hf` says if we can run it."""
+    """The checkpoint's config.json as transformers reads it; `read_model_config` says if we can run it."""
     if not os.path.isdir(model):
         raise ValueError(f"model: {model!r} is not a local directory (nanovllm loads local checkpoints only)")
     if not os.path.isfile(os.path.join(model, "config.json")):

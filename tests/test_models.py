@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.rotary import rotary_inv_freq
-from nanovllm.models.model_config import ModelConfig
+from nanovllm.models.registry import read_model_config
 from nanovllm.utils.random_checkpoint import config_from_dict, write_tiny_model
 from tests.conftest import mixed_prompts
 
@@ -137,7 +137,7 @@ def test_llama3_inv_freq_equals_transformers():
     for shape in ("llama-3.1-8b.json", "llama-3.2-1b.json"):
         with open(os.path.join(CONFIGS, shape)) as f:
             hf_config = config_from_dict(json.load(f))
-        model_config = ModelConfig.from_hf(hf_config)
+        model_config = read_model_config(hf_config)
         expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
         ours = rotary_inv_freq(model_config.head_dim, model_config.rope_theta, model_config.rope_scaling)
         torch.testing.assert_close(ours, expected)
@@ -159,7 +159,7 @@ def test_config_shapes_read_the_same_in_both_styles(shape, tmp_path):
     rewritten = json.loads((tmp_path / "config.json").read_text())
     assert "rope_parameters" in rewritten and "rope_theta" not in rewritten
     from transformers import AutoConfig
-    old, new = ModelConfig.from_hf(hf_config), ModelConfig.from_hf(AutoConfig.from_pretrained(tmp_path))
+    old, new = read_model_config(hf_config), read_model_config(AutoConfig.from_pretrained(tmp_path))
     assert old == new
     assert old.architecture == published["architectures"][0]
     assert (old.num_heads, old.num_kv_heads, old.num_layers) == (

@@ -9,8 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.models.model_config import ModelConfig
-from nanovllm.models.registry import build_model
+from nanovllm.models.registry import build_model, read_model_config
 from nanovllm.utils.random_checkpoint import config_from_dict, tiny_config, write_demo_tokenizer, write_tiny_model
 from tests.conftest import mixed_prompts
 
@@ -70,10 +69,10 @@ def assert_matches_transformers(llm, outputs, prompts, hf_greedy, num_tokens=16)
 
 def test_model_config_reads_the_expert_fields():
     with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "qwen3-30b-a3b.json")) as f:
-        config = ModelConfig.from_hf(config_from_dict(json.load(f)))
+        config = read_model_config(config_from_dict(json.load(f)))
     assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (128, 8, 768)
     assert config.norm_topk_prob and config.decoder_sparse_step == 1 and config.mlp_only_layers == ()
-    dense = ModelConfig.from_hf(tiny_config(500))
+    dense = read_model_config(tiny_config(500))
     assert dense.num_experts is None and dense.mlp_only_layers == ()
 
 
@@ -85,7 +84,7 @@ def test_sparse_layers_are_the_ones_transformers_picks(sparse_step, mlp_only):
                                mlp_only_layers=mlp_only)
     hf_config.architectures = ["Qwen3MoeForCausalLM"]
     hf_sparse = [hasattr(layer.mlp, "experts") for layer in Qwen3MoeForCausalLM(hf_config).model.layers]
-    ours = build_model(ModelConfig.from_hf(hf_config))
+    ours = build_model(read_model_config(hf_config))
     assert [hasattr(layer.mlp, "experts") for layer in ours.model.layers] == hf_sparse
     assert 0 < sum(hf_sparse) < len(hf_sparse)
 

@@ -195,8 +195,9 @@ class LLMEngine:
             "prefix_cache_hits": sched.prefix_cache_hits,
             "prompt_tokens": sched.num_prompt_tokens,
             "generation_tokens": sched.num_generation_tokens,
-            # structured outputs: host seconds spent filling token masks, and rows masked
+            # structured outputs: host seconds spent filling token masks, the steps and rows masked
             "structured_output_mask_seconds": self.structured.mask_seconds if self.structured else 0.0,
+            "structured_output_mask_steps": self.structured.num_masked_steps if self.structured else 0,
             "structured_output_masked_rows": self.structured.num_masked_rows if self.structured else 0,
         }
 
@@ -478,13 +479,16 @@ class LLMEngine:
 
     # ---- chat ----------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[Message]) -> list[int]:
+    def apply_chat_template(self, messages: list[Message], tools: list[dict] | None = None,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
         """Token ids of one conversation under the tokenizer's chat template, ready for the reply."""
-        return apply_chat_template(self.tokenizer, messages, self.config.model)
+        return apply_chat_template(self.tokenizer, messages, self.config.model, tools, chat_template_kwargs)
 
     def chat(self, messages: list[Message] | list[list[Message]], sampling_params=None,
-             use_tqdm: bool = True) -> list[dict]:
-        """Reply to one conversation or to each of a list of them; then as generate."""
+             use_tqdm: bool = True, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[dict]:
+        """Reply to one conversation or to each of a list of them; then as generate. The template
+        renders `tools` and reads `chat_template_kwargs` (e.g. {"enable_thinking": False})."""
         conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
-        prompts = [self.apply_chat_template(conversation) for conversation in conversations]
+        prompts = [self.apply_chat_template(conversation, tools, chat_template_kwargs) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

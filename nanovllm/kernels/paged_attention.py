@@ -207,7 +207,7 @@ DECODE_PROGRAMS_PER_SM = 4
 def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int,
                       cache_dtype: torch.dtype = torch.bfloat16) -> int:
     """Context splits per sequence so that a decode step launches about four programs per SM for
-    a 16-bit cache (H100 sweep, scripts/tune_decode_attention.py: splits pay only below ~32
+    a 16-bit cache (H100 sweeps of 2026-11-23 and 2026-11-25: splits pay only below ~32
     sequences), eight for a float8 one."""
     per_sm = FP8_DECODE_PROGRAMS_PER_SM if cache_dtype.itemsize == 1 else DECODE_PROGRAMS_PER_SM
     return max(1, min(16, -(-per_sm * num_sms // (num_seqs * num_kv_heads))))
@@ -236,7 +236,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """q: [num_seqs, num_heads, head_dim], one new token per sequence (already in the cache).
     A float8 cache needs k_scale and v_scale (float32, 1 or num_kv_heads values; see fp8.py).
     tile_tokens, num_warps, num_stages (by default DECODE_TILE) and the program
-    order are tuning knobs (scripts/tune_decode_attention.py sweeps them)."""
+    order are tuning knobs (swept on an H100 on 2026-11-23)."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -358,7 +358,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, b
 
 def prefill_tile(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
     """(query rows, keys per step, warps, pipeline stages) of the prefill kernel. For 16-bit values
-    scripts/tune_prefill_attention.py found 64 x 64 with 4 warps within 5% of the best tile on an H100
+    a sweep found 64 x 64 with 4 warps within 5% of the best tile on an H100
     (128-row tiles and 8 warps were slower); float32 (the tiny test models) keeps smaller tiles."""
     if dtype == torch.float32:
         return (64 if head_dim <= 64 else 32), 32, 4, 3

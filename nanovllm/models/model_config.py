@@ -2,14 +2,13 @@
 
 Configs differ by family and by transformers version (rope_theta at the top level or inside
 rope_parameters; torch_dtype or dtype; head_dim given or implied); everything past this file reads
-one `ModelConfig` instead.
+one `ModelConfig` instead. The family-specific facts (q/k norms, q/k/v biases, rope scaling types)
+come from the family class the registry picks, so this file imports no model.
 """
 from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
-
-from nanovllm.models.registry import model_class
 
 CHECKPOINT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -44,24 +43,22 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()     # ... except these, which keep the dense MLP
 
     @classmethod
-    def from_hf(cls, hf_config: PretrainedConfig) -> "ModelConfig":
-        """Raises ValueError for an architecture, activation or rope scaling the engine cannot run."""
-        architectures = getattr(hf_config, "architectures", None)
-        if not architectures:
-            raise ValueError("model: config.json has no 'architectures' entry naming the model class")
-        family = model_class(architectures[0])
+    def from_hf(cls, hf_config: PretrainedConfig, family: type) -> "ModelConfig":
+        """`family`: the CausalLM subclass named by architectures[0] (its qk_norm, qkv_bias and
+        rope_types). Raises ValueError for an activation or rope scaling the engine cannot run."""
+        architecture = hf_config.architectures[0]
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"model: hidden_act {act!r} is not supported; supported: ['silu']")
         theta, rope_scaling = read_rope(hf_config)
         rope_type = (rope_scaling or {}).get("rope_type", "default")
         if rope_type not in family.rope_types:
-            raise ValueError(f"model: rope scaling type {rope_type!r} is not supported for {architectures[0]}; "
+            raise ValueError(f"model: rope scaling type {rope_type!r} is not supported for {architecture}; "
                              f"supported: {list(family.rope_types)}")
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         heads = hf_config.num_attention_heads
         return cls(
-            architecture=architectures[0],
+            architecture=architecture,
             hidden_size=hf_config.hidden_size,
             num_layers=hf_config.num_hidden_layers,
             num_heads=heads,

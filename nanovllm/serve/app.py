@@ -3,9 +3,10 @@ import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from nanovllm.async_llm import AsyncLLM, EngineClosedError, EngineDeadError
 from nanovllm.serve.chat_output import ChatOutputParsing
@@ -17,6 +18,8 @@ from nanovllm.serve.metrics import ServerMetrics
 from nanovllm.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from nanovllm.serve.responses import ResponseBuilder, sse
 from nanovllm.serve.sampling import sampling_params
+
+CHAT_PAGE = Path(__file__).with_name("chat_page.html")
 
 
 class ChoicesStreamingResponse(StreamingResponse):
@@ -112,6 +115,10 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
         finals = await unless_disconnected(http_request, collect(streams, request.n, metrics))
         prompt_tokens = sum(len(final["prompt_token_ids"]) for final in finals)
         return JSONResponse(builder.response([c for final in finals for c in final["outputs"]], prompt_tokens))
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page() -> HTMLResponse:
+        return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
 
     @app.get("/health")
     async def health() -> Response:

@@ -195,13 +195,59 @@ def write_word_tokenizer(path: str, vocab_size: int):
     PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(path)
 
 
-def cached_shape(config_file: str) -> str:
+def write_text_piece_tokenizer(path: str, eos_token_id: int, seed: int = 0):
+    """A byte-level tokenizer whose ids look like a real vocabulary's: the 256 bytes, then random
+    words (with and without a leading space), numbers and punctuation runs, then the special tokens,
+    the last of them (end of turn) at eos_token_id. Grammars (JSON, regex) can be written with it, and
+    their token masks cost what a real vocabulary's would. It has no merges: text encodes to bytes."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(alphabet)
+    space = "\u0120"                              # the byte-level spelling of " "
+    rng = random.Random(seed)
+    pieces = dict.fromkeys(byte_chars)
+    letters, punctuation = "abcdefghijklmnopqrstuvwxyz", '{}[]",:.-_()!?;\'/'
+    num_regular = eos_token_id + 1 - len(SPECIAL_TOKENS)
+    while len(pieces) < num_regular:
+        kind = rng.random()
+        if kind < 0.8:
+            word = "".join(rng.choice(letters) for _ in range(rng.randint(2, 9)))
+            piece = (space if rng.random() < 0.5 else "") + (word.capitalize() if rng.random() < 0.15 else word)
+        elif kind < 0.9:
+            piece = (space if rng.random() < 0.3 else "") + str(rng.randrange(10 ** rng.randint(1, 4)))
+        else:
+            piece = (space if rng.random() < 0.3 else "") + "".join(rng.choice(punctuation)
+                                                                     for _ in range(rng.randint(2, 3)))
+        pieces.setdefault(piece)
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    for special in SPECIAL_TOKENS:
+        vocab[special] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def cached_shape(config_file: str, text_pieces: bool = False) -> str:
     """config.json (bfloat16) and a tokenizer of the shape in config_file, without weights: a model
-    directory for `load_format="dummy"`, which draws the weights on the device instead of reading them."""
-    path = _cache_dir(config_file, "nanovllm-shape-")
+    directory for `load_format="dummy"`, which draws the weights on the device instead of reading them.
+    The tokenizer has a word per id, or with text_pieces, pieces of text (write_text_piece_tokenizer)."""
+    path = _cache_dir(config_file, "nanovllm-shape-text-" if text_pieces else "nanovllm-shape-")
     if not os.path.isfile(os.path.join(path, "complete")):
         config = _read_config(config_file)
-        write_word_tokenizer(path, config.vocab_size)
+        if text_pieces:
+            eos = config.eos_token_id if isinstance(config.eos_token_id, int) else config.eos_token_id[0]
+            write_text_piece_tokenizer(path, eos)
+        else:
+            write_word_tokenizer(path, config.vocab_size)
         config.dtype = torch.bfloat16
         config.save_pretrained(path)
         open(os.path.join(path, "complete"), "w").close()

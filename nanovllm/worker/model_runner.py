@@ -76,7 +76,7 @@ class ModelRunner:
         self.needs_restart = False    # ranks went out of step (see _execute_with_workers)
         if self.world_size > 1:
             if rank == 0:
-                init_method, self.workers = start_workers(config)
+                init_method, self.workers = start_workers(config, ModelRunner)
                 self._stop_workers = weakref.finalize(self, stop_workers, self.workers)
             if not self.is_cuda:   # ranks share the cores
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))

@@ -39,7 +39,9 @@ class Worker:
             raise RuntimeError(f"tensor-parallel worker {self.rank} failed to start:\n{received}")
 
 
-def start_workers(config: Config) -> tuple[str, list[Worker]]:
+def start_workers(config: Config, runner_class: type) -> tuple[str, list[Worker]]:
+    """Ranks 1.. of `config`, each running `runner_class(config, rank, init_method, conn)` (the model
+    runner, passed in because it is the runner that starts the workers)."""
     with socket.socket() as s:           # a free port for the process group's rendezvous
         s.bind(("127.0.0.1", 0))
         init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
@@ -47,7 +49,7 @@ def start_workers(config: Config) -> tuple[str, list[Worker]]:
     workers = []
     for rank in range(1, config.tensor_parallel_size):
         parent_end, child_end = context.Pipe()
-        process = context.Process(target=worker_main, args=(config, rank, init_method, child_end),
+        process = context.Process(target=worker_main, args=(runner_class, config, rank, init_method, child_end),
                                   name=f"nanovllm-tp-rank{rank}", daemon=True)
         process.start()
         child_end.close()
@@ -70,11 +72,11 @@ def stop_workers(workers: list[Worker]) -> None:
         worker.conn.close()
 
 
-def worker_main(config: Config, rank: int, init_method: str, conn: Connection) -> None:
+def worker_main(runner_class: type, config: Config, rank: int, init_method: str,
+                conn: Connection) -> None:
     """A worker rank: build the same model shard, then run every step rank 0 sends until told to stop."""
-    from nanovllm.worker.model_runner import ModelRunner
     try:
-        runner = ModelRunner(config, rank, init_method, conn)
+        runner = runner_class(config, rank, init_method, conn)
     except BaseException:
         conn.send(traceback.format_exc())
         return

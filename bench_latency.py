@@ -1,0 +1,146 @@
+"""Latency at fixed batch sizes, against the memory-bandwidth floor of a decode step.
+
+For each batch size: that many prompts of --input-len random token ids, each generating exactly
+--output-len tokens (EOS ignored, greedy). TTFT is the time to the first token of the whole batch
+(a run with max_tokens=1), TPOT the time per token after it ((full run - TTFT) / (output len - 1)),
+tok/s the batch's output tokens over the full run. Every run uses prompts of its own, so no run
+hits the prefix cache.
+
+The floor is the time a decode step must take to read what it reads, at --bandwidth-tbps: the
+model's weights as the device holds them (the bytes of every parameter and buffer of the loaded
+model, so a quantized format counts as stored; without the input embedding unless it is tied to
+the LM head, since a step reads only its tokens' rows, and without the rotary table), plus the
+K/V of every cached token of the batch, at the mean context of the decode steps.
+
+    python bench_latency.py --config configs/qwen3-8b.json
+    python bench_latency.py --model ~/huggingface/Qwen3-0.6B --batch-sizes 1,4 --kv-cache-dtype fp8
+
+Prints one line per batch size, then one JSON line with every figure.
+"""
+import argparse
+import json
+import random
+import time
+
+import torch
+from torch import nn
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.layers.rotary import RotaryEmbedding
+from nanovllm.utils.bench_workload import add_model_arguments, model_engine_args
+
+
+def batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(size) for size in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--batch-sizes must be comma-separated integers, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"--batch-sizes must be integers >= 1, got {text!r}")
+    return sizes
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
+    parser.add_argument("--batch-sizes", type=batch_sizes, default=[1, 4, 16, 64], help="comma-separated")
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=512, help="tokens generated per request (>= 2)")
+    parser.add_argument("--bandwidth-tbps", type=float, default=3.0, help="device read bandwidth of the floor, TB/s")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--max-model-len", type=int, help="default: input len + output len")
+    parser.add_argument("--quantization", help="passed to LLM when given")
+    parser.add_argument("--speculative-config", type=json.loads, help="JSON object, passed to LLM when given")
+    args = parser.parse_args(argv)
+    if args.input_len < 1:
+        parser.error(f"--input-len must be >= 1, got {args.input_len}")
+    if args.output_len < 2:
+        parser.error(f"--output-len must be >= 2 (TPOT needs a token after the first), got {args.output_len}")
+    if args.bandwidth_tbps <= 0:
+        parser.error(f"--bandwidth-tbps must be > 0, got {args.bandwidth_tbps}")
+    return args
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    """LLM's arguments; --quantization and --speculative-config only when given, so the script runs
+    on engines that do not know them."""
+    kwargs = dict(model_engine_args(args), kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
+                  max_model_len=args.max_model_len or args.input_len + args.output_len)
+    if args.quantization is not None:
+        kwargs["quantization"] = args.quantization
+    if args.speculative_config is not None:
+        kwargs["speculative_config"] = args.speculative_config
+    return kwargs
+
+
+def decode_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights a decode step reads, as held on the device: every parameter and buffer,
+    once each, except an untied input embedding and the rotary table (a step reads their rows for
+    its tokens and positions only)."""
+    skipped = {id(t) for m in model.modules() if isinstance(m, RotaryEmbedding) for t in m.buffers()}
+    embedding = model.get_submodule("model.embed_tokens").weight
+    if not getattr(model, "tie_word_embeddings", False):
+        skipped.add(id(embedding))
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in skipped}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def random_prompts(rng: random.Random, count: int, length: int, vocab_size: int) -> list[list[int]]:
+    top = min(10000, vocab_size) - 1
+    return [[rng.randint(0, top) for _ in range(length)] for _ in range(count)]
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    if any(len(o["token_ids"]) != max_tokens for o in outputs):
+        raise RuntimeError(f"a request stopped before its {max_tokens} tokens")
+    return elapsed
+
+
+def measure(llm: LLM, args: argparse.Namespace, weight_bytes: int, kv_bytes_per_token: int) -> list[dict]:
+    rng = random.Random(0)
+    vocab_size = llm.config.model_config.vocab_size
+    bandwidth = args.bandwidth_tbps * 1e12
+    mean_context = args.input_len + args.output_len / 2    # decode steps see input len + 1 .. + output len - 1
+    results = []
+    for batch in args.batch_sizes:
+        timed_generate(llm, random_prompts(rng, batch, args.input_len, vocab_size), 2)   # warm-up at this batch
+        ttft = timed_generate(llm, random_prompts(rng, batch, args.input_len, vocab_size), 1)
+        total = timed_generate(llm, random_prompts(rng, batch, args.input_len, vocab_size), args.output_len)
+        tpot = (total - ttft) / (args.output_len - 1)
+        step_bytes = weight_bytes + batch * mean_context * kv_bytes_per_token
+        floor = step_bytes / bandwidth
+        results.append(dict(batch_size=batch, ttft_ms=ttft * 1e3, tpot_ms=tpot * 1e3,
+                            tok_per_s=batch * args.output_len / total, floor_ms=floor * 1e3,
+                            step_bytes=step_bytes, pct_of_floor=100 * floor / tpot))
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    llm = LLM(**engine_args(args))
+    try:
+        runner = llm.model_runner
+        weight_bytes = decode_weight_bytes(runner.model)
+        kv_bytes_per_token = runner.kv_cache.block_bytes // runner.kv_cache.block_size
+        results = measure(llm, args, weight_bytes, kv_bytes_per_token)
+    finally:
+        llm.shutdown()
+    for r in results:
+        print(f"batch {r['batch_size']:>3}: TTFT {r['ttft_ms']:9.2f} ms, TPOT {r['tpot_ms']:7.3f} ms, "
+              f"{r['tok_per_s']:10,.0f} tok/s, floor {r['floor_ms']:7.3f} ms ({r['step_bytes'] / 1e9:.3f} GB per step "
+              f"at {args.bandwidth_tbps} TB/s), {r['pct_of_floor']:5.1f}% of floor")
+    report = dict(model=args.model or args.config, device=torch.cuda.get_device_name() if torch.cuda.is_available()
+                  else "cpu", input_len=args.input_len, output_len=args.output_len,
+                  kv_cache_dtype=args.kv_cache_dtype, bandwidth_tbps=args.bandwidth_tbps,
+                  weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes_per_token, results=results)
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

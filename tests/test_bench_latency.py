@@ -1,0 +1,82 @@
+"""bench_latency.py: its report on the bundled demo model, and the floor's byte counts against
+transformers' own parameter count of the same checkpoint."""
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import bench_latency
+from nanovllm.demo import model_path
+from nanovllm.models.registry import build_model, read_model_config
+from nanovllm.utils.random_checkpoint import tiny_config
+
+INPUT_LEN, OUTPUT_LEN = 8, 3
+
+
+@pytest.fixture(scope="module")
+def report():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        bench_latency.main(["--model", model_path(), "--batch-sizes", "1,2", "--input-len", str(INPUT_LEN),
+                            "--output-len", str(OUTPUT_LEN)])
+    return out.getvalue().strip().splitlines()
+
+
+def test_one_line_per_batch_size_then_json(report):
+    lines = [line for line in report if line.startswith("batch ")]
+    assert len(lines) == 2 and "TTFT" in lines[0] and "% of floor" in lines[1]
+    data = json.loads(report[-1])
+    assert [r["batch_size"] for r in data["results"]] == [1, 2]
+    assert (data["input_len"], data["output_len"], data["bandwidth_tbps"]) == (INPUT_LEN, OUTPUT_LEN, 3.0)
+
+
+def test_floor_counts_the_weights_and_kv_the_step_reads(report):
+    data = json.loads(report[-1])
+    # the demo model ties its embedding to the LM head, so every weight is read once per step; on
+    # the CPU the engine holds it in float32
+    hf = AutoModelForCausalLM.from_pretrained(model_path(), dtype=torch.float32)
+    assert hf.config.tie_word_embeddings
+    assert data["weight_bytes"] == sum(p.numel() * 4 for p in hf.parameters())
+    c = hf.config
+    assert data["kv_bytes_per_token"] == 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+    for r in data["results"]:
+        mean_context = INPUT_LEN + OUTPUT_LEN / 2
+        step_bytes = data["weight_bytes"] + r["batch_size"] * mean_context * data["kv_bytes_per_token"]
+        assert r["floor_ms"] == pytest.approx(step_bytes / 3.0e12 * 1e3)
+        assert r["pct_of_floor"] == pytest.approx(100 * r["floor_ms"] / r["tpot_ms"])
+        assert r["ttft_ms"] > 0 and r["tpot_ms"] > 0
+        total_s = (r["ttft_ms"] + (OUTPUT_LEN - 1) * r["tpot_ms"]) / 1e3
+        assert r["tok_per_s"] == pytest.approx(r["batch_size"] * OUTPUT_LEN / total_s)
+
+
+def test_untied_input_embedding_is_not_a_decode_read():
+    config = read_model_config(tiny_config(300, tie_word_embeddings=False))
+    model = build_model(config)
+    every_parameter = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.model.embed_tokens.weight
+    assert bench_latency.decode_weight_bytes(model) == every_parameter - embedding.numel() * embedding.element_size()
+
+
+def test_new_engine_arguments_are_passed_only_when_given():
+    args = bench_latency.parse_args(["--model", model_path()])
+    kwargs = bench_latency.engine_args(args)
+    assert "quantization" not in kwargs and "speculative_config" not in kwargs
+    assert kwargs["max_model_len"] == 128 + 512 and args.batch_sizes == [1, 4, 16, 64]
+    args = bench_latency.parse_args(["--model", model_path(), "--quantization", "fp8",
+                                     "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    kwargs = bench_latency.engine_args(args)
+    assert kwargs["quantization"] == "fp8"
+    assert kwargs["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("argv, name", [(["--batch-sizes", "1,0"], "--batch-sizes"),
+                                        (["--batch-sizes", "one"], "--batch-sizes"),
+                                        (["--output-len", "1"], "--output-len"),
+                                        (["--bandwidth-tbps", "0"], "--bandwidth-tbps")])
+def test_bad_arguments_name_the_flag(argv, name, capsys):
+    with pytest.raises(SystemExit):
+        bench_latency.parse_args(["--model", model_path(), *argv])
+    assert name in capsys.readouterr().err
