@@ -28,8 +28,8 @@ PERSON = {      # nested object, array, enums, integer ranges, required and opti
         "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2},
         "home": {"type": "object", "required": ["ok"],
                  "properties": {"ok": {"type": "boolean"}, "floor": {"type": "integer", "minimum": 0, "maximum": 9}}},
-        # bounded by a pattern: xgrammar's maxLength strings admit raw control characters (invalid JSON)
-        "name": {"type": "string", "pattern": "^[a-z]{1,4}$"},
+        "name": {"type": "string", "maxLength": 4},
+        "code": {"type": "string", "pattern": "^[a-z]{1,3}$"},
     },
     "required": ["age", "role", "home"],
 }

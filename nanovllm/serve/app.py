@@ -7,10 +7,10 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 
 from nanovllm.async_llm import AsyncLLM, EngineClosedError, EngineDeadError
 from nanovllm.serve.chat_output import ChatOutputParsing
-from nanovllm.serve.chat_prompt import chat_prompt
 from nanovllm.serve.choices import merge_choices, start_choices
 from nanovllm.serve.constraints import Constraint, output_constraint
 from nanovllm.serve.errors import APIError, error_body, error_response, install_error_handlers, request_field_error
@@ -152,8 +152,12 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
                                 "--enable-auto-tool-choice and --tool-call-parser", param="tool_choice")
         constraint = output_constraint(request)
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
-        prompt = chat_prompt(llm.tokenizer, [message.for_template() for message in request.messages], tools,
-                             request.chat_template_kwargs, llm.config.model)
+        try:
+            prompt = llm.apply_chat_template([message.for_template() for message in request.messages], tools,
+                                             request.chat_template_kwargs)
+        except (ValueError, TypeError, TemplateError) as e:
+            error = request_field_error(e)
+            raise APIError(400, error.message, error.param or "messages")
         max_tokens = request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens
         if max_tokens is None:                      # as much as the context leaves
             max_tokens = max(1, llm.config.max_model_len - len(prompt))

@@ -180,11 +180,6 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-# chat_template_kwargs may not change how the server calls the template
-TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "tokenize", "add_generation_prompt",
-                      "continue_final_message", "return_dict", "chat_template")
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -211,9 +206,6 @@ class ChatCompletionRequest(SamplingFields):
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
             raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, "
                              f"which is not among the tools ({names})")
-        reserved = sorted(set(self.chat_template_kwargs or {}) & set(TEMPLATE_ARGUMENTS))
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {reserved}")
         return self
 
     @property
