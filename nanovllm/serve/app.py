@@ -7,9 +7,12 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 
 from nanovllm.async_llm import AsyncLLM, EngineClosedError, EngineDeadError
+from nanovllm.serve.chat_output import ChatOutputParsing
 from nanovllm.serve.choices import merge_choices, start_choices
+from nanovllm.serve.constraints import Constraint, output_constraint
 from nanovllm.serve.errors import APIError, error_body, error_response, install_error_handlers, request_field_error
 from nanovllm.serve.metrics import ServerMetrics
 from nanovllm.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -53,7 +56,11 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
+    """The app; tool_choice "auto" needs enable_auto_tool_choice and a tool_call_parser (see
+    serve/tool_parsers.py), reasoning_parser splits off reasoning_content (serve/reasoning_parser.py)."""
     app = FastAPI(title="nanovllm", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     if api_key:
@@ -66,11 +73,34 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
             raise APIError(404, f"the model {name!r} does not exist; this server serves {served_model_name!r}",
                            param="model", code="model_not_found")
 
-    async def start(request: SamplingFields, prompts: list, max_tokens: int, logprobs: int | None):
+    def check_context(prompt_lengths: list[int], max_tokens: int, max_tokens_field: str, prompt_field: str) -> None:
+        """Every prompt plus max_tokens within max_model_len, or a 400 that says the context length."""
+        limit = llm.config.max_model_len
+        longest = max(prompt_lengths)
+        if longest >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your request "
+                                f"has {longest} input tokens. Please reduce the length of the {prompt_field}.",
+                           param=prompt_field)
+        if longest + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{longest + max_tokens} tokens ({longest} in the {prompt_field}, {max_tokens} in "
+                                f"the completion). Please reduce the length of the {prompt_field} or completion.",
+                           param=max_tokens_field)
+
+    async def start(request: SamplingFields, prompts: list, max_tokens: int, logprobs: int | None,
+                    constraint: Constraint | None = None):
         try:
-            params = sampling_params(request, max_tokens, logprobs)
+            params = sampling_params(request, max_tokens, logprobs, constraint.params if constraint else None)
+        except (ValueError, TypeError) as e:
+            raise request_field_error(e)
+        check_context([len(p) for p in prompts], max_tokens,
+                      "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens",
+                      "prompt" if isinstance(request, CompletionRequest) else "messages")
+        try:
             return await start_choices(llm, prompts, params)
         except (ValueError, TypeError) as e:
+            if constraint is not None and str(e).startswith("structured_outputs"):
+                raise APIError(400, f"{constraint.field}: {e}", param=constraint.field)    # e.g. a schema xgrammar refuses
             raise request_field_error(e)
         except EngineDeadError as e:
             raise APIError(500, str(e))
@@ -106,26 +136,34 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
     async def completions(request: CompletionRequest, http_request: Request):
         check_model(request.model)
         try:
-            prompts = request.prompts()
+            prompts = [llm.tokenizer.encode(p) if isinstance(p, str) else p for p in request.prompts()]
         except ValueError as e:
             raise APIError(400, str(e), param="prompt")
         max_tokens = 16 if request.max_tokens is None else request.max_tokens      # OpenAI's default
-        streams = await start(request, prompts, max_tokens, request.logprobs)
+        streams = await start(request, prompts, max_tokens, request.logprobs, output_constraint(request))
         builder = ResponseBuilder(False, served_model_name, llm.tokenizer, request.logprobs)
         return await respond(http_request, request, builder, streams)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, http_request: Request):
         check_model(request.model)
+        if request.tool_mode == "auto" and not (enable_auto_tool_choice and tool_call_parser):
+            raise APIError(400, 'tool_choice "auto" (the default with tools) needs the server started with '
+                                "--enable-auto-tool-choice and --tool-call-parser", param="tool_choice")
+        constraint = output_constraint(request)
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
         try:
-            prompt = llm.apply_chat_template([message.for_template() for message in request.messages])
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e), param="messages")
+            prompt = llm.apply_chat_template([message.for_template() for message in request.messages], tools,
+                                             request.chat_template_kwargs)
+        except (ValueError, TypeError, TemplateError) as e:
+            error = request_field_error(e)
+            raise APIError(400, error.message, error.param or "messages")
         max_tokens = request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens
         if max_tokens is None:                      # as much as the context leaves
             max_tokens = max(1, llm.config.max_model_len - len(prompt))
-        streams = await start(request, [prompt], max_tokens, request.num_logprobs)
-        builder = ResponseBuilder(True, served_model_name, llm.tokenizer, request.num_logprobs)
+        streams = await start(request, [prompt], max_tokens, request.num_logprobs, constraint)
+        parsing = ChatOutputParsing.for_request(request, constraint is not None, tool_call_parser, reasoning_parser)
+        builder = ResponseBuilder(True, served_model_name, llm.tokenizer, request.num_logprobs, parsing)
         return await respond(http_request, request, builder, streams)
 
     @app.get("/metrics")
@@ -165,7 +203,9 @@ async def stream_chunks(builder: ResponseBuilder, streams, n: int, include_usage
                 break
             logprobs = out["delta_logprobs"] if out["delta_token_ids"] else None
             if out["delta_text"] or out["finish_reason"] or logprobs:
-                yield sse(builder.delta_chunk(index, out, out["delta_token_ids"], logprobs))
+                chunk = builder.delta_chunk(index, out, out["delta_token_ids"], logprobs)
+                if chunk is not None:
+                    yield sse(chunk)
             if out["finish_reason"]:
                 completion_tokens += len(out["token_ids"])
             if out["finished"]:

@@ -1,4 +1,5 @@
-"""`nanovllm serve [MODEL] [--host] [--port] [--api-key] [--served-model-name] [engine arguments]`.
+"""`nanovllm serve [MODEL] [--host] [--port] [--api-key] [--served-model-name] [tool and reasoning
+parsers] [engine arguments]`.
 
 Every engine argument of `nanovllm.config.Config` is a --kebab-case flag; flags not given keep the
 engine's defaults. SIGINT/SIGTERM abort the requests in flight, stop the engine and its workers,
@@ -13,6 +14,9 @@ import typing
 from dataclasses import MISSING, fields
 
 import uvicorn
+
+from nanovllm.serve.reasoning_parser import REASONING_PARSERS
+from nanovllm.serve.tool_parsers import TOOL_PARSERS
 
 SERVER_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -53,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    chat = parser.add_argument_group("tool calls and reasoning")
+    chat.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help='serve tool_choice "auto": the model\'s calls become message.tool_calls')
+    chat.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                      help="how the model writes its calls (hermes: Qwen's <tool_call> JSON)")
+    chat.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                      help="move <think>...</think> into message.reasoning_content")
     engine = parser.add_argument_group("engine arguments (see README)")
     for field in engine_arg_fields():
         flag = "--" + field.name.replace("_", "-")
@@ -68,7 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
     """The server's options and the engine arguments that were given."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     engine_args = {f.name: getattr(args, f.name) for f in engine_arg_fields() if hasattr(args, f.name)}
     return args, engine_args
 
@@ -109,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, TypeError) as e:
         sys.exit(f"nanovllm serve: {e}")
     try:
-        app = build_app(llm, args.served_model_name or args.model or "nanovllm-demo", args.api_key)
+        app = build_app(llm, args.served_model_name or args.model or "nanovllm-demo", args.api_key,
+                        args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=10)
         GracefulServer(config, on_shutdown=llm.abort_all).run()

@@ -3,9 +3,10 @@
 Fields OpenAI defines but nanovllm does not implement are refused (400 naming them) rather than
 silently ignored, except a few that clients send with their neutral value.
 """
+import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 TokenIds = list[StrictInt]
 
@@ -13,6 +14,38 @@ TokenIds = list[StrictInt]
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    description: str | None = None
+    json_schema: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text (no constraint), any JSON object, or JSON under a schema."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with, and only with, type 'json_schema'")
+        return self
+
+
+class StructuredOutputsFields(BaseModel):
+    """vLLM's `structured_outputs` request field (nanovllm.StructuredOutputsParams)."""
+    model_config = ConfigDict(extra="forbid")
+    json_schema: dict | StrictStr | None = Field(None, alias="json")
+    json_object: bool = False
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    disable_any_whitespace: bool = False
 
 
 class SamplingFields(BaseModel):
@@ -37,6 +70,13 @@ class SamplingFields(BaseModel):
     # accepted only at their neutral value: nanovllm has no penalties
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # what the output must match (at most one of these; see serve/constraints.py)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
     @model_validator(mode="after")
     def _no_penalties(self):
@@ -72,29 +112,114 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str                  # JSON text
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant message made, as the history sends it back."""
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")    # name, tool_call_id, ... go to the chat template
-    role: str
+    model_config = ConfigDict(extra="allow")    # name, reasoning_content, ... go to the chat template
+    role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields_with_their_roles(self):
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a message with role 'tool' needs the tool_call_id it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        return self
 
     def for_template(self) -> dict:
+        """The message as chat templates read it: text content, and calls' arguments as objects
+        (most templates write them with tojson)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {**self.model_dump(exclude_none=True), "content": content or ""}
+        message = {**self.model_dump(exclude_none=True), "content": content or ""}
+        for call in message.get("tool_calls", []):
+            arguments = call["function"]["arguments"]
+            try:
+                call["function"]["arguments"] = json.loads(arguments)
+            except ValueError:
+                pass                            # not JSON: the template gets the text
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")        # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict | None = None      # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatCompletionTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice_among_tools(self):
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError(f"tools name a function twice: {names}")
+        if self.tool_choice not in (None, "none") and not names:
+            raise ValueError(f"tool_choice {self.tool_mode!r} needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, "
+                             f"which is not among the tools ({names})")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto (the default with tools), required, or named (see named_tool)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    @property
+    def named_tool(self) -> "ChatCompletionTool | None":
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return None
+        return next(tool for tool in self.tools if tool.function.name == self.tool_choice.function.name)
 
     @property
     def num_logprobs(self) -> int | None:

@@ -3,6 +3,8 @@ import json
 import time
 import uuid
 
+from nanovllm.serve.chat_output import ChatOutputParsing
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -21,8 +23,11 @@ def sse(data: dict | str) -> str:
 class ResponseBuilder:
     """Builds the bodies of one response: completion or chat, whole or as chunks."""
 
-    def __init__(self, chat: bool, model: str, tokenizer, num_top_logprobs: int | None):
+    def __init__(self, chat: bool, model: str, tokenizer, num_top_logprobs: int | None,
+                 parsing: ChatOutputParsing | None = None):
         self.chat = chat
+        self.parsing = parsing or ChatOutputParsing()   # chat: how text becomes content, reasoning, tool calls
+        self.choice_parsers = {}                        # chat streams: each choice's parser
         self.model = model
         self.tokenizer = tokenizer
         self.num_top_logprobs = num_top_logprobs     # None: no logprobs asked
@@ -41,8 +46,9 @@ class ResponseBuilder:
         for index, out in enumerate(finals):
             logprobs = self.logprobs(index, out["token_ids"], out.get("logprobs"))
             if self.chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": out["text"]},
-                                "logprobs": logprobs, "finish_reason": out["finish_reason"]})
+                parser = self.parsing.new_choice()
+                choices.append({"index": index, "message": parser.message(out["text"]), "logprobs": logprobs,
+                                "finish_reason": parser.finish_reason(out["finish_reason"])})
             else:
                 choices.append({"index": index, "text": out["text"], "logprobs": logprobs,
                                 "finish_reason": out["finish_reason"]})
@@ -56,13 +62,24 @@ class ResponseBuilder:
         return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None})
 
-    def delta_chunk(self, index: int, out: dict, token_ids: list[int], logprobs: list[dict] | None) -> dict:
+    def delta_chunk(self, index: int, out: dict, token_ids: list[int], logprobs: list[dict] | None) -> dict | None:
         """This output's new text; the logprobs are those of token_ids (its new tokens). The choice's
-        finish_reason comes with the output that ends it."""
+        finish_reason comes with the output that ends it. None: nothing to send yet (chat text
+        that the parsers hold back until they know what it is)."""
         finish_reason = out["finish_reason"]
         logprobs = self.logprobs(index, token_ids, logprobs)
         if self.chat:
-            delta = {"content": out["delta_text"]} if out["delta_text"] or finish_reason is None else {}
+            if index not in self.choice_parsers:
+                self.choice_parsers[index] = self.parsing.new_choice()
+            parser = self.choice_parsers[index]
+            delta = parser.feed(out["delta_text"])
+            if finish_reason is not None:
+                delta = merge_deltas(delta, parser.finish())
+                finish_reason = parser.finish_reason(finish_reason)
+            elif not delta and not logprobs:
+                return None
+            elif not delta:
+                delta = {"content": ""}
             return self._chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
         return self._chunk({"index": index, "text": out["delta_text"], "logprobs": logprobs,
                             "finish_reason": finish_reason})
@@ -100,6 +117,14 @@ class ResponseBuilder:
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+def merge_deltas(first: dict, second: dict) -> dict:
+    """One delta with both deltas' text and tool-call pieces."""
+    merged = dict(first)
+    for key, value in second.items():
+        merged[key] = merged.get(key, "" if isinstance(value, str) else []) + value
+    return merged
 
 
 def _first_per_key(pairs: list[tuple[str, float]]) -> dict[str, float]:
