@@ -14,6 +14,7 @@ With --config the tokenizer is one of text pieces (random_checkpoint.write_text_
 of the config's vocabulary size, so that JSON can be written and masks cost what a real one's would.
 """
 import argparse
+import json
 import time
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
@@ -52,6 +53,8 @@ def main():
                         help="fp8: quantize the 16-bit weights while loading (per-channel float8); awq, gptq: "
                              "with --config, random weights stored 4-bit as those checkpoints are (group 128)")
     parser.add_argument("--kv-offload-gib", type=float, default=0.0, help="the prefix cache's host tier")
+    parser.add_argument("--speculative-config", type=json.loads, default=None,
+                        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     parser.add_argument("--structured-json", action="store_true",
                         help="also run every request under a JSON schema, and compare")
     args = parser.parse_args()
@@ -62,7 +65,8 @@ def main():
     llm = LLM(**engine_args, max_model_len=args.max_model_len,
               tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
               enable_prefix_caching=bool(args.enable_prefix_caching), kv_cache_dtype=args.kv_cache_dtype,
-              kv_offload_gib=args.kv_offload_gib, quantization=args.quantization)
+              kv_offload_gib=args.kv_offload_gib, quantization=args.quantization,
+              speculative_config=args.speculative_config)
 
     requests = bench_requests(args.num_seqs, (args.min_input_len, args.max_input_len),
                               (args.min_output_len, args.max_output_len))
