@@ -27,9 +27,10 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.spec_decode.proposer import Proposer
 
 # Speculation steps aside above this many running sequences: a large decode batch is no longer
-# bound by reading the weights, so verifying proposals stops being free. A first guess, to be
-# replaced by the measurement of scripts/spec_verify_timing.py on the GPU.
-SPECULATION_MAX_RUNNING = 32
+# bound by reading the weights, so verifying proposals stops being free, and a speculating engine
+# collects every step before the next (no overlap). Measured on one H100 (docs/benchmarks.md): an
+# eager verify step costs 2.3-2.5x a decode step from batch 4 to 64, and with 32 bench.py lost 6%.
+SPECULATION_MAX_RUNNING = 8
 
 
 @dataclass(slots=True)
