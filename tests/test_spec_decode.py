@@ -427,7 +427,7 @@ class GreedyProposer:
         return proposals
 
 
-def test_sampled_outputs_follow_the_plain_engines_distribution(base, spec, eos_model):
+def test_sampled_outputs_follow_the_plain_engines_distribution(base, spec, eos_model, monkeypatch):
     """Seeded requests at temperature 1 with top_k and top_p, verifying a perfect greedy draft's
     proposals (some kept, some not): each emits exactly the plain engine's tokens for its seed (the
     verify step draws each position with the plain sampler's noise), and the tokens at each
@@ -435,6 +435,8 @@ def test_sampled_outputs_follow_the_plain_engines_distribution(base, spec, eos_m
     independent samples)."""
     from transformers import AutoModelForCausalLM
     num_requests, num_tokens = 192, 3
+    # every request verifies proposals, however many run at once (the engine steps aside above a few)
+    monkeypatch.setattr("nanovllm.engine.scheduler.SPECULATION_MAX_RUNNING", num_requests)
     params = [SamplingParams(temperature=1.0, top_k=4, top_p=0.95, seed=s, max_tokens=num_tokens, ignore_eos=True)
               for s in range(2 * num_requests)]
     plain = [o["token_ids"] for o in base.generate([LOOP_PROMPT] * 2 * num_requests, params, use_tqdm=False)]
