@@ -1,8 +1,9 @@
 """What speculative decoding costs and gains on one GPU (random weights of the given shapes):
 
-1. A verify step of k + 1 = 2..6 tokens per sequence (the target over its paged cache, then the
-   rejection sampler) against a plain decode step (CUDA graph, then the sampler), at batch 1, 4,
-   16 and 64 with 1K-token contexts: the ratio says up to which batch verification is nearly free
+1. A verify step of k + 1 = 2..6 tokens per sequence (the target over its paged cache from a CUDA
+   graph of k + 1 tokens a sequence, then the rejection sampler) against a plain decode step (CUDA
+   graph, then the sampler), at batch 1, 4, 16 and 64 with 1K-token contexts, and the verify step
+   run eagerly: the ratio says up to which batch verification is nearly free
    (SPECULATION_MAX_RUNNING in engine/scheduler.py should sit there).
 2. A draft's cost per proposal: one decode step of the draft shape (default Qwen3-0.6B) at the same
    batches, and from 1 and 2 the expected time per output token at acceptance rates 0.5..0.9.
@@ -53,7 +54,8 @@ def median_ms(fn, reps: int = 30, warmup: int = 5) -> float:
 def step_ms(llm, batch: int, context: int, query_len: int) -> float:
     """Median ms of one step over `batch` sequences of `context` tokens, each computing its last
     query_len positions: a plain decode step (graph replay and sampler) when query_len is 1, else a
-    verify step (the cached-prefill path and the rejection sampler) with random proposals."""
+    verify step (a CUDA graph where the runner has one, else eager; then the rejection sampler) with
+    random proposals."""
     import numpy as np
     import torch
 
@@ -81,6 +83,16 @@ def step_ms(llm, batch: int, context: int, query_len: int) -> float:
     return median_ms(lambda: rejection_sample(runner.execute(inputs), sampling, verify))
 
 
+def verify_graphs(llm, query_len: int, max_num_seqs: int):
+    """CUDA graphs of steps of query_len tokens a sequence for llm's runner (as speculation captures
+    for k + 1 = query_len), at every batch size up to max_num_seqs."""
+    from nanovllm.worker.cuda_graph import StepGraphs
+    config, runner = llm.config, llm.model_runner
+    return StepGraphs(runner.model, runner.backend, max_num_seqs, config.min_kvcache_blocks,
+                      config.model_config.hidden_size, config.torch_dtype, runner.device, query_len=query_len,
+                      pool=runner.graphs[0].pool)
+
+
 def load(path_or_config: str, **engine_args):
     from nanovllm import LLM
     from nanovllm.utils.random_checkpoint import cached_shape
@@ -103,15 +115,20 @@ def main():
     target = load(args.config, max_model_len=max_len, max_num_seqs=max(batches))
     target.model_runner.kv_cache.tensor.normal_()      # never time on zeros
     print(f"target {args.config}: step ms at {args.context}-token contexts (verify / decode in brackets)")
-    print("batch | decode | " + " | ".join(f"verify {n}" for n in range(2, 7)))
-    decode_ms = {}
+    print("batch | decode | " + " | ".join(f"verify {n}" for n in range(2, 7)) + " | verify 5 eager")
+    runner = target.model_runner
+    decode_graphs = runner.graphs[0]
+    decode_ms = {batch: step_ms(target, batch, args.context, 1) for batch in batches}
     verify_ms = {}
-    for batch in batches:
-        decode_ms[batch] = step_ms(target, batch, args.context, 1)
-        cells = []
-        for query_len in range(2, 7):
+    for query_len in range(2, 7):
+        runner.graphs = [decode_graphs, verify_graphs(target, query_len, max(batches))]
+        for batch in batches:
             verify_ms[batch, query_len] = step_ms(target, batch, args.context, query_len)
-            cells.append(f"{verify_ms[batch, query_len]:7.3f} ({verify_ms[batch, query_len] / decode_ms[batch]:.2f}x)")
+    runner.graphs = [decode_graphs]
+    for batch in batches:
+        cells = [f"{verify_ms[batch, n]:7.3f} ({verify_ms[batch, n] / decode_ms[batch]:.2f}x)" for n in range(2, 7)]
+        eager = step_ms(target, batch, args.context, 5)
+        cells.append(f"{eager:7.3f} ({eager / decode_ms[batch]:.2f}x)")
         print(f"{batch:5d} | {decode_ms[batch]:7.3f} | " + " | ".join(cells))
     release(target)
 

@@ -111,7 +111,7 @@ def test_shape_bf16_logits_within_bf16_tolerance(shape):
     assert not decode.is_prefill and runner.graphs
     decode_inputs = runner.prepare_step(decode)
     decode_logits = runner.execute(decode_inputs).float()
-    graphs, runner.graphs = runner.graphs, None
+    graphs, runner.graphs = runner.graphs, []
     eager_logits = runner.execute(decode_inputs).float()      # same step without the CUDA graph
     runner.graphs = graphs
     assert relative_error(decode_logits, eager_logits) < 1e-2
@@ -136,3 +136,38 @@ def test_shape_bf16_logits_within_bf16_tolerance(shape):
         print(f"{shape}: {len(ids):4d} tokens: ours {our_error:.4f}, transformers bf16 {hf_error:.4f} "
               f"(relative to float32)")
         assert our_error < max(2 * hf_error, 1e-2)
+
+
+def test_verify_step_graphs_give_the_eager_logits(model_path):
+    """A verify-sized step (1 to k + 1 tokens per sequence over cached blocks) replayed from the
+    CUDA graph of k + 1 tokens, padded, against the same step run eagerly."""
+    import numpy as np
+
+    from nanovllm.worker.step_inputs import StepInputs
+    llm = LLM(model_path, device="cuda", kvcache_block_size=16,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    runner = llm.model_runner
+    assert [graphs.query_len for graphs in runner.graphs] == [1, 5]
+    rng = np.random.default_rng(0)
+    vocab = llm.config.model_config.vocab_size
+    cached, q_lens = np.array([30, 17, 45]), np.array([1, 3, 5])
+    tables = np.arange(3 * 4).reshape(3, 4)          # 64 slots a sequence, 16-token blocks
+
+    def step(starts, lens):
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        positions = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lens)])
+        seq_of_token = np.repeat(np.arange(3), lens)
+        slots = tables[seq_of_token, positions // 16] * 16 + positions % 16
+        return StepInputs(True, rng.integers(0, vocab, cu[-1]), positions, slots, starts + lens, cu, tables,
+                          np.arange(cu[-1]))
+
+    runner.execute(step(np.zeros(3, np.int64), cached))            # the cached context, eagerly
+    verify = step(cached, q_lens)
+    assert runner.graphs[1].size_for(verify) == 4 and runner.graphs[0].size_for(verify) == 0
+    replayed = runner.execute(verify).float()
+    graphs, runner.graphs = runner.graphs, []
+    eager = runner.execute(verify).float()
+    runner.graphs = graphs
+    assert replayed.shape == (q_lens.sum(), vocab)
+    assert relative_error(replayed, eager) < 1e-3
+    llm.shutdown()

@@ -37,6 +37,13 @@ class AttentionBackend:
         """Decode metadata over fixed buffers, for capturing a CUDA graph of this batch size."""
         return AttentionMetadata(False, slot_mapping, context_lens, block_tables)
 
+    def multi_token_metadata(self, slot_mapping: torch.Tensor, context_lens: torch.Tensor,
+                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                             query_len: int) -> AttentionMetadata:
+        """Metadata of query_len tokens per sequence over its cached blocks, on fixed buffers (a
+        CUDA graph of verify steps): the paged prefill path, whatever the context."""
+        return AttentionMetadata(True, slot_mapping, context_lens, block_tables, cu_seqlens_q, query_len, True)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:

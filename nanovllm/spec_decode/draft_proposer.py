@@ -33,7 +33,9 @@ class DraftProposer:
                              kvcache_block_size=config.kvcache_block_size,
                              num_kvcache_blocks=num_seqs * config.min_kvcache_blocks, enable_prefix_caching=False,
                              enforce_eager=config.enforce_eager, load_format=config.load_format)
-        self.runner = ModelRunner(self.config)
+        # a catch-up step computes the target's new token, and the last proposal when every one was
+        # accepted: two tokens a sequence, replayed from CUDA graphs like the draft's decode steps
+        self.runner = ModelRunner(self.config, multi_token_len=2)
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.kvcache_block_size, False)
         self.shadows: dict[int, tuple[Sequence, Sequence]] = {}   # seq_id -> (sequence, its shadow)
 

@@ -1,11 +1,19 @@
-"""CUDA graphs of the decode step, one per batch size, over fixed input buffers.
+"""CUDA graphs of short steps over fixed input buffers, one per batch size: decode steps (one token
+per sequence) and, with speculative decoding, steps of up to `query_len` tokens per sequence over
+its cached blocks (verify steps, a draft's catch-up).
 
 A replay copies a step's inputs into those buffers with a single host-to-device copy (through two
 pinned host buffers used in turn, since the copy of the step still queued may read the other), pads
 the batch up to the captured size (padding rows write and read nothing), and replays.
+
+A multi-token graph gives every sequence query_len rows: token j of sequence s sits in row
+s * query_len + j, and the rows after a sequence's own tokens are padding. Padding writes no cache
+slot and comes after the sequence's tokens, so causal attention hides it from them; the sequence's
+context length grows by its padding so that its own tokens keep their positions.
 """
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -18,32 +26,44 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [b for b in (1, 2, 4, 8) if b < largest] + list(range(16, largest, 16)) + [largest]
 
 
-class DecodeGraphs:
+class StepGraphs:
     def __init__(self, model: nn.Module, backend: AttentionBackend, max_num_seqs: int, max_blocks_per_seq: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device):
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, query_len: int = 1, pool=None):
         self.sizes = graph_batch_sizes(max_num_seqs)
-        self.width = max_blocks_per_seq
+        self.query_len = query_len
+        # a sequence's padding rows may reach past its last block: they read block 0, write nothing
+        self.width = max_blocks_per_seq + query_len - 1
         largest = self.sizes[-1]
+        rows = largest * query_len
         # one int64 buffer: input ids, positions, slots, context lengths, block tables
-        self.inputs = torch.zeros(largest * (4 + self.width), dtype=torch.int64, device=device)
+        self.inputs = torch.zeros(rows * 3 + largest * (1 + self.width), dtype=torch.int64, device=device)
         self.inputs_host = [torch.zeros(self.inputs.shape, dtype=torch.int64).pin_memory() for _ in range(2)]
-        self.outputs = torch.zeros(largest, hidden_size, dtype=dtype, device=device)
+        self.cu_seqlens_q = torch.arange(0, rows + 1, query_len, dtype=torch.int32, device=device)
+        self.outputs = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
+        # a padding sequence of a multi-token graph attends to block 0 (reading before its first key
+        # would index the block table out of bounds)
+        self._padding_context_len = 0 if query_len == 1 else query_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = pool
         self._capture(model, backend, device)
 
     @torch.inference_mode()
     def _capture(self, model: nn.Module, backend: AttentionBackend, device: torch.device) -> None:
         input_ids, positions, slot_mapping, context_lens, block_tables = self._views(self.inputs)
         slot_mapping.fill_(-1)      # the warm-ups and uploads below write no cache slot
-        pool = None
+        context_lens.fill_(self._padding_context_len)
         for size in reversed(self.sizes):
-            metadata = backend.decode_metadata(slot_mapping[:size], context_lens[:size], block_tables[:size])
+            rows = size * self.query_len
+            metadata = (backend.decode_metadata(slot_mapping[:size], context_lens[:size], block_tables[:size])
+                        if self.query_len == 1 else
+                        backend.multi_token_metadata(slot_mapping[:rows], context_lens[:size], block_tables[:size],
+                                                     self.cu_seqlens_q[:size + 1], self.query_len))
             with use_metadata(metadata):
-                self.outputs[:size] = model(input_ids[:size], positions[:size])   # warm-up
+                self.outputs[:rows] = model(input_ids[:rows], positions[:rows])   # warm-up
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool):
-                    self.outputs[:size] = model(input_ids[:size], positions[:size])
-            pool = graph.pool()
+                with torch.cuda.graph(graph, self.pool):
+                    self.outputs[:rows] = model(input_ids[:rows], positions[:rows])
+            self.pool = graph.pool()
             self.graphs[size] = graph
             torch.cuda.synchronize(device)
         # A graph's first launch also uploads it to the device while the host waits: do that now,
@@ -53,33 +73,47 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
 
     def size_for(self, inputs: StepInputs) -> int:
-        """The captured batch size that serves this step, or 0 to run it eagerly."""
-        if inputs.is_prefill or inputs.num_seqs > self.sizes[-1]:
+        """The captured batch size that serves this step, or 0 if these graphs cannot."""
+        if inputs.num_seqs > self.sizes[-1]:
+            return 0
+        if self.query_len == 1 and inputs.is_prefill:
+            return 0
+        if self.query_len > 1 and (not inputs.is_prefill or np.diff(inputs.cu_seqlens_q).max() > self.query_len):
             return 0
         return next(size for size in self.sizes if size >= inputs.num_seqs)
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         largest = self.sizes[-1]
-        ids, pos, slots, lens, tables = flat.split([largest] * 4 + [largest * self.width])
+        rows = largest * self.query_len
+        ids, pos, slots, lens, tables = flat.split([rows] * 3 + [largest, largest * self.width])
         return [ids, pos, slots, lens, tables.view(largest, self.width)]
 
     def replay(self, inputs: StepInputs, size: int,
-               read_pending_tokens: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        n = inputs.num_seqs
+               read_pending_tokens: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
+        """Run the step; its hidden states (padded rows included) and the rows of those to sample."""
+        n, width = inputs.num_seqs, self.query_len
         host = self.inputs_host[0]
         self.inputs_host.reverse()
         input_ids, positions, slot_mapping, context_lens, block_tables = self._views(host)
-        input_ids[:n] = torch.from_numpy(inputs.input_ids)
-        input_ids[n:size] = 0
-        positions[:n] = torch.from_numpy(inputs.positions)
-        slot_mapping[:n] = torch.from_numpy(inputs.slot_mapping)
-        slot_mapping[n:size] = -1                     # padding rows write nothing ...
-        context_lens[:n] = torch.from_numpy(inputs.context_lens)
-        context_lens[n:size] = 0                      # ... and read nothing
+        if width == 1:
+            token_rows, lens, sampled = slice(0, n), inputs.context_lens, inputs.logits_indices
+        else:              # each sequence's tokens to its own rows
+            q_lens = np.diff(inputs.cu_seqlens_q)
+            shift = np.repeat(np.arange(n) * width - inputs.cu_seqlens_q[:-1], q_lens)
+            rows = np.arange(len(inputs.input_ids)) + shift
+            token_rows, lens, sampled = torch.from_numpy(rows), inputs.context_lens + width - q_lens, \
+                rows[inputs.logits_indices]
+        input_ids[:size * width] = 0
+        input_ids[token_rows] = torch.from_numpy(inputs.input_ids)
+        positions[token_rows] = torch.from_numpy(inputs.positions)
+        slot_mapping[:size * width] = -1              # padding rows write nothing ...
+        slot_mapping[token_rows] = torch.from_numpy(inputs.slot_mapping)
+        context_lens[:n] = torch.from_numpy(lens)
+        context_lens[n:size] = self._padding_context_len   # ... and read nothing, or block 0
         block_tables[:n, :inputs.block_tables.shape[1]] = torch.from_numpy(inputs.block_tables)
         self.inputs.copy_(host, non_blocking=True)
         if inputs.input_ids.min() < 0:
-            ids = self.inputs[:n]                     # the input-id view comes first
+            ids = self.inputs[:n * width]             # the input-id view comes first
             ids.copy_(read_pending_tokens(ids))
         self.graphs[size].replay()
-        return self.outputs[:n]
+        return self.outputs[:n * width], sampled

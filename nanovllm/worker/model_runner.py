@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from nanovllm.attention import choose_attention_backend, use_metadata
 from nanovllm.config import Config
-from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.engine.scheduler import SPECULATION_MAX_RUNNING, ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
 from nanovllm.layers.attention import Attention
@@ -31,7 +31,7 @@ from nanovllm.models.registry import build_model
 from nanovllm.spec_decode.rejection_sampler import rejection_sample
 from nanovllm.spec_decode.verify_inputs import build_verify_tensors, verify_rows
 from nanovllm.utils.loader import load_model, weight_bytes
-from nanovllm.worker.cuda_graph import DecodeGraphs
+from nanovllm.worker.cuda_graph import StepGraphs
 from nanovllm.worker.kv_cache import KVCache, cpu_budget_bytes
 from nanovllm.worker.kv_offload import HostKVCache
 from nanovllm.worker.sampling_inputs import build_sampling_tensors, logprobs_by_row
@@ -68,7 +68,7 @@ class ModelRunner:
     processes and sends them every step's StepInputs; they only run the model."""
 
     def __init__(self, config: Config, rank: int = 0, init_method: str | None = None,
-                 conn: Connection | None = None):
+                 conn: Connection | None = None, multi_token_len: int | None = None):
         self.config = config
         self.rank = rank
         self.world_size = config.tensor_parallel_size
@@ -79,7 +79,7 @@ class ModelRunner:
         else:
             self.device = torch.device("cpu")
         self.workers: list[Worker] = []
-        self.graphs: DecodeGraphs | None = None   # captured last, once the pool exists
+        self.graphs: list[StepGraphs] = []     # captured last, once the pool exists
         self.needs_restart = False    # ranks went out of step (see _execute_with_workers)
         if self.world_size > 1:
             if rank == 0:
@@ -115,8 +115,21 @@ class ModelRunner:
         if self.is_cuda:
             self._run_cached_prefill()
         if self.is_cuda and not config.enforce_eager:
-            self.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, config.min_kvcache_blocks,
-                                       config.model_config.hidden_size, config.torch_dtype, self.device)
+            self._capture_graphs(multi_token_len)
+
+    def _capture_graphs(self, multi_token_len: int | None) -> None:
+        """Decode graphs, and with speculation graphs of verify steps (k + 1 tokens per sequence) for
+        the batches that speculate."""
+        config = self.config
+        if multi_token_len is None:
+            spec = config.speculative_config
+            multi_token_len = spec.num_speculative_tokens + 1 if spec is not None else 1
+        shape = (config.min_kvcache_blocks, config.model_config.hidden_size, config.torch_dtype, self.device)
+        decode = StepGraphs(self.model, self.backend, config.max_num_seqs, *shape)
+        self.graphs = [decode]
+        if multi_token_len > 1:
+            self.graphs.append(StepGraphs(self.model, self.backend, min(config.max_num_seqs, SPECULATION_MAX_RUNNING),
+                                          *shape, query_len=multi_token_len, pool=decode.pool))
 
     @property
     def is_cuda(self) -> bool:
@@ -336,14 +349,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
         """Run the model on one step's inputs; logits of the sampled rows (on rank 0)."""
-        num_tokens = len(inputs.input_ids)
         if len(inputs.kv_offloads) or len(inputs.kv_loads):    # the prefix cache's host tier
             self.host_kv_cache.transfer(inputs.kv_offloads, inputs.kv_loads)
         if len(inputs.block_copies):    # copy-on-write of blocks shared by forked sequences
             self.kv_cache.copy_blocks(self._host_to_device(inputs.block_copies))
-        graph_size = self.graphs.size_for(inputs) if self.graphs else 0
-        if graph_size:
-            hidden = self.graphs.replay(inputs, graph_size, self.read_pending_tokens)
+        graphs, size = next(((graphs, size) for graphs in self.graphs if (size := graphs.size_for(inputs))),
+                            (None, 0))
+        if graphs is not None:
+            hidden, rows = graphs.replay(inputs, size, self.read_pending_tokens)
         else:
             input_ids, positions, slot_mapping, context_lens, cu_seqlens_q, block_tables = self._to_device(
                 inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.context_lens,
@@ -354,8 +367,8 @@ class ModelRunner:
                                              cu_seqlens_q, inputs.context_lens, inputs.cu_seqlens_q)
             with use_metadata(metadata):
                 hidden = self.model(input_ids, positions)
-        rows = inputs.logits_indices
-        if len(rows) != num_tokens:
+            rows = inputs.logits_indices
+        if len(rows) != len(hidden):
             hidden = hidden[self._host_to_device(rows)]
         return self.model.compute_logits(hidden)
 
@@ -379,7 +392,7 @@ class ModelRunner:
                     worker.process.kill()
             self._stop_workers()
         clean = all(worker.process.exitcode == 0 for worker in self.workers)
-        self.graphs = self.model = self.last_token_ids = None
+        self.graphs, self.model, self.last_token_ids = [], None, None
         self.kv_cache.release()
         if self.host_kv_cache is not None:
             self.host_kv_cache.release()
