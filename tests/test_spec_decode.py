@@ -558,3 +558,13 @@ def test_beam_search_runs_without_speculation(base, spec):
     assert [[b["token_ids"] for b in o["sequences"]] for o in got] == \
         [[b["token_ids"] for b in o["sequences"]] for o in base.beam_search([LOOP_PROMPT, EOS_PROMPT], params)]
     assert_no_blocks_held(spec)
+
+
+def test_tensor_parallel_speculation_keeps_greedy_outputs(base, eos_model):
+    """Two ranks on gloo verify the proposals as one: greedy outputs equal the plain engine's."""
+    prompts = mixed_prompts(500, lengths=(12, 30), seed=3) + [LOOP_PROMPT]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(eos_model[0], **ENGINE, speculative_config=NGRAM, tensor_parallel_size=2) as tp:
+        assert_same_outputs(base.generate(prompts, params, use_tqdm=False), tp.generate(prompts, params, use_tqdm=False))
+        assert spec_counts(tp)[2] > 0
+        assert_no_blocks_held(tp)

@@ -270,7 +270,7 @@ class ModelRunner:
         if batch.draft_token_ids is not None:     # a verify step samples at once (never constrained)
             out, num_accepted = self._verify(logits, seqs, batch.draft_token_ids)
             step = LaunchedStep(seqs, draft_lens=list(map(len, batch.draft_token_ids)))
-            step.num_accepted = None if num_accepted is None else num_accepted.to("cpu", non_blocking=True)
+            step.num_accepted = num_accepted.to("cpu", non_blocking=True)
             self._to_host(step, out)
             return step
         step = LaunchedStep(seqs, logits=logits, sampling=self.prepare_sampling(seqs))
