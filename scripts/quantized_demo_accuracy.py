@@ -4,8 +4,13 @@ answers to held-out additions (`What is A + B?`, pairs the model never trained o
 tests/test_demo.py draws them) and to the capital questions of every country in every phrasing
 (docs/demo_model.md says how the model was trained and measured).
 
+--logits-error prints instead each format's first-step logits error against transformers running
+the 16-bit checkpoint in float32: ||engine - reference|| / ||reference|| over the last-token logits
+of the capital questions, for float32 and bfloat16, online FP8 and the 4-bit checkpoints (each in bfloat16).
+
     PYTHONPATH=. python scripts/quantized_demo_accuracy.py            # 200 additions, 50 x 5 capitals, on the CPU
     PYTHONPATH=. python scripts/quantized_demo_accuracy.py --additions 2000 --device cuda
+    PYTHONPATH=. python scripts/quantized_demo_accuracy.py --logits-error --device cuda
 """
 import argparse
 import importlib.util
@@ -48,12 +53,60 @@ def demo_accuracy(path: str, num_additions: int = 200, phrasings: int = 5, devic
             sum(o["text"] == c for o, c in zip(caps, expected)) / len(expected))
 
 
+def capital_prompts(tokenizer) -> list[list[int]]:
+    from nanovllm.engine.chat_template import apply_chat_template
+    questions = training_script().CAPITAL_QUESTIONS[:5]
+    return [apply_chat_template(tokenizer, [{"role": "user", "content": q.format(c=country)}], "demo")
+            for country, _ in capitals() for q in questions]
+
+
+def first_step_logits(path: str, prompts: list[list[int]], device: str, **engine_args):
+    """The engine's logits for each prompt's next token, in float32 (one prefill step)."""
+    from nanovllm.engine.sequence import Sequence
+    with LLM(path, device=device, kvcache_block_size=16, num_kvcache_blocks=512, **engine_args) as llm:
+        for prompt in prompts:
+            llm.scheduler.add(Sequence(prompt, SamplingParams(temperature=0)))
+        batch = llm.scheduler.schedule()
+        assert batch.is_prefill and len(batch.seqs) == len(prompts), "the prompts must fit one step"
+        runner = llm.model_runner
+        logits = runner.execute(runner.prepare_step(batch)).float().cpu()
+    return logits
+
+
+def logits_errors(tmp: str, group_size: int, device: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = model_path()
+    prompts = capital_prompts(AutoTokenizer.from_pretrained(path))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+    formats = {
+        "float32": (path, dict(dtype="float32")),
+        "bfloat16": (path, dict(dtype="bfloat16")),
+        "online FP8 (per-channel weights, per-token activations)": (path, dict(dtype="bfloat16", quantization="fp8")),
+        f"AWQ 4-bit, group {group_size}": (write_awq_checkpoint(path, f"{tmp}/awq", group_size), dict(dtype="bfloat16")),
+        f"GPTQ 4-bit, group {group_size}": (write_gptq_checkpoint(path, f"{tmp}/gptq", 4, group_size),
+                                            dict(dtype="bfloat16")),
+    }
+    print(f"| weights | first-step logits error against float32 ({len(prompts)} prompts, {device}) |\n| --- | --- |")
+    for name, (checkpoint, engine_args) in formats.items():
+        logits = first_step_logits(checkpoint, prompts, device, **engine_args)
+        error = ((logits - reference).norm() / reference.norm()).item()
+        print(f"| {name} | {error:.4f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--additions", type=int, default=200)
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--logits-error", action="store_true", help="first-step logits error of each format instead")
     args = parser.parse_args()
+    if args.logits_error:
+        with tempfile.TemporaryDirectory() as tmp:
+            logits_errors(tmp, args.group_size, args.device)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         checkpoints = {
             "16-bit (bfloat16 checkpoint)": model_path(),
