@@ -16,7 +16,7 @@ from nanovllm.utils.random_checkpoint import cached_shape
 KERNEL_GROUPS = [("attention", ("_decode_kernel", "_combine_splits", "_prefill_kernel", "flash", "attention",
                                  "fmha", "cutlass::fmha")),
                  ("fused MoE", ("_grouped_gemm_kernel",)), ("rms norm", ("_rms_norm",)), ("q/k norm, rotary, KV store", ("_rotary",)),
-                 ("silu*mul", ("_silu_and_mul",)), ("GEMM", ("gemm", "cutlass", "sm90", "nvjet", "cublas")),
+                 ("silu*mul", ("_silu_and_mul",)), ("activation quant", ("_quantize_kernel",)), ("GEMM", ("gemm", "cutlass", "sm90", "nvjet", "cublas")),
                  ("sampler", ("_chunk_summary", "_pick_token", "softmax", "argmax", "gather"))]
 
 
@@ -25,9 +25,10 @@ def group_of(kernel_name: str) -> str:
     return next((g for g, keys in KERNEL_GROUPS if any(k.lower() in name for k in keys)), "other")
 
 
-def warmed_bench_engine(config: str, kv_cache_dtype: str, num_seqs: int) -> tuple[LLM, list, list]:
+def warmed_bench_engine(config: str, kv_cache_dtype: str, num_seqs: int,
+                        quantization: str | None = None) -> tuple[LLM, list, list]:
     """An engine over random weights of a shape, after one warm-up request, and bench.py's requests."""
-    llm = LLM(cached_shape(config), load_format="dummy", kv_cache_dtype=kv_cache_dtype)
+    llm = LLM(cached_shape(config), load_format="dummy", kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     requests = bench_requests(num_seqs)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens) for _, max_tokens in requests]
     llm.generate(["warm-up"], SamplingParams(), use_tqdm=False)
@@ -35,13 +36,14 @@ def warmed_bench_engine(config: str, kv_cache_dtype: str, num_seqs: int) -> tupl
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/qwen3-0.6b.json")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--quantization", default=None, choices=["fp8", "awq", "gptq"], help="as bench.py's")
     args = parser.parse_args()
-    llm, prompts, params = warmed_bench_engine(args.config, args.kv_cache_dtype, args.num_seqs)
+    llm, prompts, params = warmed_bench_engine(args.config, args.kv_cache_dtype, args.num_seqs, args.quantization)
 
     # Events around every launched step, on one clock: a step's GPU time runs from when the device
     # reaches it (its start, or the previous step's end if later) to its end; a start after the
@@ -55,9 +57,9 @@ def main():
         started["event"].record()
         return original_execute(inputs)
 
-    def timed_launch(batch):
+    def timed_launch(batch, **kwargs):
         context = sum(seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_new_tokens))
-        step = original_launch(batch)
+        step = original_launch(batch, **kwargs)
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         marks.append(("prefill" if batch.is_prefill else "decode", len(batch.seqs), context, started["event"], end))

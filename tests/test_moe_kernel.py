@@ -160,3 +160,45 @@ def test_fused_moe_ignores_experts_without_tokens():
     out = fused_moe(x, w13, w2, topk_weights, topk_ids, tile=SMALL_TILE)
     assert out.isfinite().all()
     torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, topk_weights, topk_ids), **TOL[torch.float32])
+
+
+def fp8_experts(w: torch.Tensor, group_size: int, dtype: torch.dtype):
+    """w [E, N, K] as float8 experts with one scale per row and group_size columns (the last group
+    may be short), as Fp8BlockMoEMethod holds a checkpoint's block scales."""
+    from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX
+    from nanovllm.quantization.fp8 import Fp8Experts
+    e, n, k = w.shape
+    groups = -(-k // group_size)
+    padded = torch.nn.functional.pad(w.float(), (0, groups * group_size - k))
+    scale = padded.abs().reshape(e, n, groups, group_size).amax(-1) / FP8_MAX
+    q = (w.float() / scale.repeat_interleave(group_size, dim=-1)[..., :k]).to(FP8_DTYPE)
+    return Fp8Experts(q.contiguous(), scale.contiguous(), group_size, dtype)
+
+
+FP8_CASES = [  # tokens, hidden, intermediate, top_k, group size, tile
+    (9, 40, 24, 2, 16, SMALL_TILE),     # short last groups (40 = 16 + 16 + 8, 24 = 16 + 8)
+    (9, 64, 32, 2, 32, SMALL_TILE),     # two tile steps a group
+    (21, 64, 48, 2, 16, None),          # the decode tile's 128-column steps cut to the group
+    (40, 72, 56, 2, 64, None),          # the prefill tile
+]
+
+
+@needs_triton
+@dtypes
+@pytest.mark.parametrize("num_tokens,hidden,intermediate,top_k,group_size,tile", FP8_CASES,
+                         ids=[f"t{c[0]}-h{c[1]}-i{c[2]}-g{c[4]}-{'small' if c[5] else 'auto'}" for c in FP8_CASES])
+def test_fused_moe_reads_float8_experts(num_tokens, hidden, intermediate, top_k, group_size, tile, dtype):
+    """Float8 experts with group scales, dequantized in the kernel, against the twin on the same
+    experts dequantized one at a time (and that against the 16-bit experts they were made from)."""
+    torch.manual_seed(num_tokens + group_size)
+    topk_ids = routing("random", num_tokens, 8, top_k, seed=num_tokens)
+    x, w13, w2, topk_weights, topk_ids = moe_inputs(num_tokens, hidden, intermediate, 8, topk_ids, dtype)
+    q13, q2 = fp8_experts(w13, group_size, dtype), fp8_experts(w2, group_size, dtype)
+
+    out = fused_moe(x, q13, q2, topk_weights, topk_ids, tile=tile)
+    ref = fused_moe_ref(x, q13, q2, topk_weights, topk_ids)
+
+    assert out.shape == x.shape and out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref.double(), **TOL[dtype])
+    unquantized = fused_moe_ref(x, w13, w2, topk_weights, topk_ids).double()
+    assert (ref.double() - unquantized).norm() / unquantized.norm() < 0.1      # float8's rounding, no more

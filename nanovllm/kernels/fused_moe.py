@@ -11,8 +11,14 @@ tokens, not once per token:
 3. A grouped GEMM over the stacked down weights w2 [E, H, I] scales each row by its routing weight;
    the top-k rows of a token are then summed.
 
+Experts stored in float8 (Qwen3-MoE FP8 checkpoints) come as an object with `weight` [E, N, K]
+float8, `scale` [E, N, G] float32 (one per row and group of `group_size` input columns) and, for the
+twin, indexing that dequantizes one expert: the kernels read the float8 bytes and dequantize each
+weight tile in registers, so a step reads half the bytes of 16-bit experts.
+
 `fused_moe_ref` is the torch twin (a loop over the experts that got tokens); it is also the CPU path.
 """
+import math
 from dataclasses import dataclass
 
 import torch
@@ -86,15 +92,26 @@ def align_tokens_to_experts(topk_ids: torch.Tensor, block_m: int,
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
-                         num_tokens_post_padded_ptr, num_assignments, N, K,
-                         stride_a_row, stride_w_expert, stride_w_n, stride_out_row,
+def _dequantized(w, scale_ptrs, group, mask_n, W_FP8: tl.constexpr, dtype: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] weight tile as the activations' dtype: float8 times its rows' scales
+    of the tile's group (BLOCK_K divides the group size)."""
+    if W_FP8:
+        scales = tl.load(scale_ptrs + group, mask=mask_n, other=0.0)
+        return (w.to(tl.float32) * scales[None, :]).to(dtype)
+    return w
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, w_ptr, w_scale_ptr, out_ptr, topk_weights_ptr, sorted_token_ids_ptr,
+                         expert_ids_ptr, num_tokens_post_padded_ptr, num_assignments, N, K,
+                         stride_a_row, stride_w_expert, stride_w_n, stride_s_expert, stride_s_n, stride_out_row,
                          ASSIGNMENTS_PER_A_ROW: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
+                         W_FP8: tl.constexpr, GROUP_SIZE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          PDL: tl.constexpr):
     """out[i, :N] = f(a[i // ASSIGNMENTS_PER_A_ROW] @ w[expert(i)]^T) for the assignments i of one tile.
     GATED: w holds N gate rows then N up rows and f is silu(gate) * up. WEIGHTED: f scales by the
-    routing weight of assignment i."""
+    routing weight of assignment i. W_FP8: w is float8 with scales per row and GROUP_SIZE columns."""
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     num_tiles_n = tl.cdiv(N, BLOCK_N)
@@ -111,15 +128,19 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_token_i
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_row[:, None] * stride_a_row + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_w_expert + offs_n[None, :] * stride_w_n + offs_k[:, None]
+    scale_ptrs = w_scale_ptr + expert * stride_s_expert + offs_n * stride_s_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         mask_k = offs_k < K - k * BLOCK_K
+        group = k * BLOCK_K // GROUP_SIZE
         a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        w = _dequantized(w, scale_ptrs, group, mask_n, W_FP8, a.dtype)
         acc = tl.dot(a, w, acc, input_precision="ieee")
         if GATED:
             w_up = tl.load(w_ptrs + N * stride_w_n, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            w_up = _dequantized(w_up, scale_ptrs + N * stride_s_n, group, mask_n, W_FP8, a.dtype)
             acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -131,27 +152,37 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_token_i
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
 
 
-def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_weights: torch.Tensor,
+def _grouped_gemm(a: torch.Tensor, w, out: torch.Tensor, topk_weights: torch.Tensor,
                   alignment: tuple[torch.Tensor, torch.Tensor, torch.Tensor], assignments_per_a_row: int,
                   gated: bool, tile: MoeTile) -> None:
     sorted_token_ids, expert_ids, num_tokens_post_padded = alignment
+    weight, scale, group_size = (w, w, 1) if isinstance(w, torch.Tensor) else (w.weight, w.scale, w.group_size)
+    block_k = math.gcd(tile.block_k, group_size) if scale is not weight else tile.block_k   # one group a step
+    if block_k < 16:     # a rank's slice inside one scale block, of odd width: read it dequantized
+        weight = scale = torch.stack([w[expert] for expert in range(len(weight))])
+        block_k = tile.block_k
+    fp8 = scale is not weight
     n = out.shape[1]
     grid = (len(expert_ids) * triton.cdiv(n, tile.block_n),)
     _grouped_gemm_kernel[grid](
-        a, w, out, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
-        topk_weights.numel(), n, a.shape[1], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        ASSIGNMENTS_PER_A_ROW=assignments_per_a_row, GATED=gated, WEIGHTED=not gated,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        a, weight, scale, out, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
+        topk_weights.numel(), n, a.shape[1], a.stride(0), weight.stride(0), weight.stride(1),
+        scale.stride(0), scale.stride(1), out.stride(0),
+        ASSIGNMENTS_PER_A_ROW=assignments_per_a_row, GATED=gated, WEIGHTED=not gated, W_FP8=fp8,
+        GROUP_SIZE=group_size, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_launch(a))
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+def fused_moe(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, tile: MoeTile | None = None) -> torch.Tensor:
-    """The kernel path of fused_moe_ref (same arguments); `tile` overrides the size-based choice."""
+    """The kernel path of fused_moe_ref (same arguments; w13 and w2 16-bit tensors or float8
+    experts, see the top of this file); `tile` overrides the size-based choice."""
     num_tokens, hidden = x.shape
-    num_experts, two_i, _ = w13.shape
+    w13_weight, w2_weight = (getattr(w, "weight", w) for w in (w13, w2))
+    num_experts, two_i, _ = w13_weight.shape
     top_k = topk_ids.shape[1]
-    assert x.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous() and w2.shape == (num_experts, hidden, two_i // 2)
+    assert x.stride(1) == 1 and w13_weight.is_contiguous() and w2_weight.is_contiguous()
+    assert w2_weight.shape == (num_experts, hidden, two_i // 2)
     tile = tile or choose_tile(num_tokens, top_k, num_experts)
     alignment = align_tokens_to_experts(topk_ids, tile.block_m, num_experts)
     topk_weights = topk_weights.contiguous()

@@ -107,8 +107,6 @@ class FusedMoE(nn.Module):
         w13, w2 = self.quant_method.expert_weights(self, x.dtype)
         if not x.is_cuda:
             return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
-        if not isinstance(w13, torch.Tensor):   # stored quantized: the kernels read 16-bit weights
-            w13, w2 = w13.all(), w2.all()
         return fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 

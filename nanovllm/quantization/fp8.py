@@ -74,6 +74,23 @@ class Fp8Config(QuantizationConfig):
     def online(cls) -> "Fp8Config":
         return cls(serialized=False)
 
+    def quantize_checkpoint(self, tensors):
+        """Random weights of a block-FP8 config (e.g. configs/qwen3-30b-a3b-fp8.json) as its checkpoint
+        stores them; online FP8 takes them as they are."""
+        if not self.serialized:
+            yield from tensors
+            return
+        if self.weight_block_size != (128, 128):
+            raise ValueError("quantization: random fp8 weights are written in the [128, 128] block layout only")
+        from nanovllm.utils.fp8_checkpoint import LINEAR_WEIGHT, quantize
+        for name, tensor in tensors:
+            module = name.rsplit(".", 1)[0]
+            if not LINEAR_WEIGHT.search(name) or self.is_skipped(module):     # experts' projections too
+                yield name, tensor
+                continue
+            for key, value in quantize(tensor, "fp8-block")[0].items():
+                yield f"{module}.{key}", value
+
     def describe(self) -> str:
         if not self.serialized:
             return "fp8 per-channel, quantized while loading"
@@ -185,18 +202,15 @@ class Fp8OnlineLinearMethod(Fp8ChannelLinearMethod):
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 
 
-class DequantizedExperts:
-    """Stacked float8 experts read one expert at a time as 16/32-bit weights (the correct path of
-    float8 experts: the fused MoE kernels and their twin index experts like this)."""
+class Fp8Experts:
+    """Stacked float8 experts with their scales, as the fused MoE kernels read them; indexing gives
+    one expert dequantized to 16/32 bits (the torch twin's path)."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: torch.dtype):
         self.weight, self.scale, self.group_size, self.dtype = weight, scale, group_size, dtype
 
     def __getitem__(self, expert: int) -> torch.Tensor:
         return dequantize_ref(self.weight[expert], self.scale[expert], self.group_size).to(self.dtype)
-
-    def all(self) -> torch.Tensor:
-        return dequantize_ref(self.weight, self.scale, self.group_size).to(self.dtype)
 
 
 class Fp8BlockMoEMethod:
@@ -223,6 +237,6 @@ class Fp8BlockMoEMethod:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         pass
 
-    def expert_weights(self, layer: nn.Module, dtype: torch.dtype) -> tuple[DequantizedExperts, DequantizedExperts]:
-        return (DequantizedExperts(layer.w13_weight, layer.w13_weight_scale_inv, layer.w13_group_size, dtype),
-                DequantizedExperts(layer.w2_weight, layer.w2_weight_scale_inv, layer.w2_group_size, dtype))
+    def expert_weights(self, layer: nn.Module, dtype: torch.dtype) -> tuple[Fp8Experts, Fp8Experts]:
+        return (Fp8Experts(layer.w13_weight, layer.w13_weight_scale_inv, layer.w13_group_size, dtype),
+                Fp8Experts(layer.w2_weight, layer.w2_weight_scale_inv, layer.w2_group_size, dtype))

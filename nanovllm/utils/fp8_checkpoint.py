@@ -59,7 +59,7 @@ def quantize(w: torch.Tensor, layout: str) -> tuple[dict[str, torch.Tensor], tor
     if layout == "fp8-block":
         n, k = w.shape
         nb, kb = -(-n // BLOCK), -(-k // BLOCK)
-        padded = torch.zeros(nb * BLOCK, kb * BLOCK)
+        padded = w.new_zeros(nb * BLOCK, kb * BLOCK)
         padded[:n, :k] = w
         scale = padded.abs().reshape(nb, BLOCK, kb, BLOCK).amax(dim=(1, 3)) / FP8_MAX
         scale = scale.clamp_min(1e-12)
