@@ -95,9 +95,9 @@ def align_tokens_to_experts(topk_ids: torch.Tensor, block_m: int,
 def _dequantized(w, scale_ptrs, group, mask_n, W_FP8: tl.constexpr, dtype: tl.constexpr):
     """A [BLOCK_K, BLOCK_N] weight tile as the activations' dtype: float8 times its rows' scales
     of the tile's group (BLOCK_K divides the group size)."""
-    if W_FP8:
+    if W_FP8:     # (one return: Triton types both returns of a function, whatever the constexpr)
         scales = tl.load(scale_ptrs + group, mask=mask_n, other=0.0)
-        return (w.to(tl.float32) * scales[None, :]).to(dtype)
+        w = (w.to(tl.float32) * scales[None, :]).to(dtype)
     return w
 
 

@@ -53,7 +53,7 @@ def load_shard(param: nn.Parameter, loaded, out: tuple[int, int, int] | None = N
             repeats[dim] = torch.arange(src_start, src_start + size) // src_unit - first
     src = loaded[tuple(src_index)]
     for dim, index in repeats.items():
-        src = src.index_select(dim, index)
+        src = src.index_select(dim, index.to(src.device))      # random weights are drawn on the device
     dst.copy_(src)
 
 
