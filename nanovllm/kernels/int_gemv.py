@@ -4,10 +4,11 @@ loading): y = x @ W, W[k, n] = q[k, n] * scales[g, n] - scaled_zeros[g, n], g = 
 At decode the weight bytes are the whole cost. Each program streams BLOCK_N contiguous packed
 columns (16-byte loads along the output features) for a range of input rows, unpacks the words in
 registers and sums in float32; K is split over programs when the columns alone leave too few
-programs to fill the GPU. Every loop step lies inside one group, so its scale and zero apply once
-to the step's sums:  sum_k x[k] W[k, n] = s[n] * sum_k x[k] q[k, n] - z[n] * sum_k x[k].
-One row multiplies element-wise and reduces at the end; 2 to 16 rows use a 16-row matrix-core
-product of x and the raw integers (exact in 16 bits). Act-order layers (a g_idx) stay on int_gemm.
+programs to fill the GPU. Every loop step lies inside one group (one scale and zero per column).
+One row dequantizes each weight and multiplies element-wise, reducing once at the end; 2 to 16
+rows use a 16-row matrix-core product of x and the raw integers (exact in 16 bits), the step's
+scale and zero applied to its sums: sum_k x[k] W[k, n] = s[n] sum_k x[k] q[k, n] - z[n] sum_k x[k].
+Act-order layers (a g_idx) stay on int_gemm.
 `int_gemv_ref` is the torch twin.
 """
 import torch
@@ -61,7 +62,8 @@ def _int_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, K
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     if BLOCK_M == 1:
-        acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        # the step kept as [words, rows per word, columns]: no reshape, one reduction at the end
+        acc3 = tl.zeros((WORDS, PER_WORD, BLOCK_N), dtype=tl.float32)
         rows = pid_m + tl.arange(0, 1)
     else:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -71,22 +73,26 @@ def _int_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, K
         kw = k0 // PER_WORD + tl.arange(0, WORDS)
         words = tl.load(qweight_ptr + kw.to(tl.int64)[:, None] * N + cols[None, :],
                         mask=(kw < k_end // PER_WORD)[:, None] & col_ok[None, :], other=0)
-        # word r holds rows PER_WORD * r + i in bits [BITS * i, BITS * (i + 1))
-        q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), (BLOCK_K, BLOCK_N))
-        ks = k0 + tl.arange(0, BLOCK_K)
+        # word r holds rows PER_WORD * r + i in bits [BITS * i, BITS * (i + 1)); each integer is
+        # widened by writing it into the mantissa of 2^23 (integer ops and one add, not the
+        # slower integer-to-float conversion)
+        bits = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+        q = (bits | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         group = k0 // GROUP_SIZE
         s = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
         z = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
         if BLOCK_M == 1:
+            ks = kw[:, None] * PER_WORD + tl.arange(0, PER_WORD)[None, :]
             x = tl.load(x_ptr + pid_m * stride_x + ks, mask=ks < k_end, other=0.0).to(tl.float32)
-            acc2 += x[:, None] * (q.to(tl.float32) * s[None, :] - z[None, :])
+            acc3 += x[:, :, None] * (q * s[None, None, :] - z[None, None, :])
         else:
+            ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & (ks < k_end)[None, :],
                         other=0.0)
-            xq = tl.dot(x, q.to(x.dtype), input_precision=INPUT_PRECISION)
+            xq = tl.dot(x, tl.reshape(q, (BLOCK_K, BLOCK_N)).to(x.dtype), input_precision=INPUT_PRECISION)
             acc += xq * s[None, :] - tl.sum(x.to(tl.float32), axis=1)[:, None] * z[None, :]
     if BLOCK_M == 1:
-        acc = tl.sum(acc2, axis=0)[None, :]
+        acc = tl.sum(tl.sum(acc3, axis=1), axis=0)[None, :]
     out = out_ptr + rows[:, None] * N + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT:
