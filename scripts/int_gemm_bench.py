@@ -180,8 +180,8 @@ def gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> Non
                 t_gemv, t_before = graph_time(gemv()), graph_time(before)
                 best = ""
                 if args.sweep:
-                    timed = sorted((graph_time(gemv(c, split)), str(tuple(c)), split or "auto")
-                                   for c in candidates for split in (None, 1))
+                    timed = sorted([(graph_time(gemv(c, split)), str(tuple(c)), split or "auto")
+                                    for c in candidates for split in (None, 1)], key=lambda timing: timing[0])
                     best = ", ".join(f"{t * 1e6:.1f} us {c} split {sp}" for t, c, sp in timed[:2])
                 for key, t in (("gemv", t_gemv), ("before", t_before), ("bf16", t16)):
                     totals.setdefault((fmt, m), {}).setdefault(key, 0.0)

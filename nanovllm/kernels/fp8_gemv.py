@@ -24,7 +24,7 @@ from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_prev
 # fp8_linear sends products of at most this many rows (and no static input scale) here on CUDA.
 # To be set from `scripts/int_gemm_bench.py --gemv` on an H100 (the row count where the W8A8 path wins).
 GEMV_MAX_ROWS = 16
-# Split K until the grid has this many programs per SM (weight streams in flight on every SM).
+# Split K while the grid has fewer than this many programs per SM (weight streams in flight on every SM).
 PROGRAMS_PER_SM = 4
 
 
@@ -50,8 +50,8 @@ def split_k_for(x: torch.Tensor, column_programs: int, k: int, block_k: int) -> 
     if not x.is_cuda:
         return 1 if column_programs >= 8 else min(2, triton.cdiv(k, block_k))   # the interpreter: exercise both
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    want = PROGRAMS_PER_SM * _sm_count(device)
-    return max(1, min(triton.cdiv(want, column_programs), triton.cdiv(k, block_k)))
+    # rounded down: a split costs two small kernels (zeroing the float32 sums, then casting them)
+    return max(1, min(PROGRAMS_PER_SM * _sm_count(device) // column_programs, triton.cdiv(k, block_k)))
 
 
 def fp8_gemv_ref(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
