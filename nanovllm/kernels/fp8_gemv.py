@@ -68,7 +68,7 @@ def fp8_gemv_ref(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_si
 def _fp8_gemv_kernel(x_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K, stride_x, NUM_GROUPS, GROUP_SIZE, K_PER_SPLIT,
                      PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                     GROUP_STEP: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -78,20 +78,25 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K, stride_x
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
     if BLOCK_M == 1:
-        # element-wise products kept per lane, one reduction across K at the end
-        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        # element-wise products kept per lane, one reduction across K at the end; a step covers
+        # BLOCK_K // GROUP_STEP runs of GROUP_STEP columns, each inside one scale group
+        runs = tl.arange(0, BLOCK_K // GROUP_STEP)
+        acc3 = tl.zeros((BLOCK_N, BLOCK_K // GROUP_STEP, GROUP_STEP), dtype=tl.float32)
         x_row = x_ptr + pid_m * stride_x
         for k0 in range(k_start, k_end, BLOCK_K):
-            k_ok = k0 + ks < k_end
-            x = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + k0 + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            if PER_GROUP:   # BLOCK_K divides the group: one scale per row for the whole step
-                s = tl.load(w_s_ptr + cols * NUM_GROUPS + k0 // GROUP_SIZE,
-                            mask=col_ok, other=0.0)
-                acc2 += w * x[None, :] * s[:, None]
+            kcol = k0 + runs[:, None] * GROUP_STEP + tl.arange(0, GROUP_STEP)[None, :]
+            k_ok = kcol < k_end
+            x = tl.load(x_row + kcol, mask=k_ok, other=0.0).to(tl.float32)[None, :, :]
+            w = tl.load(w_rows[:, :, None] + kcol[None, :, :], mask=col_ok[:, None, None] & k_ok[None, :, :],
+                        other=0.0).to(tl.float32)
+            if PER_GROUP:
+                g = (k0 + runs * GROUP_STEP) // GROUP_SIZE
+                s = tl.load(w_s_ptr + cols[:, None] * NUM_GROUPS + g[None, :],
+                            mask=col_ok[:, None] & (g < NUM_GROUPS)[None, :], other=0.0)
+                acc3 += w * x * s[:, :, None]
             else:
-                acc2 += w * x[None, :]
-        acc = tl.sum(acc2, axis=1)[None, :]
+                acc3 += w * x
+        acc = tl.sum(tl.sum(acc3, axis=2), axis=1)[None, :]
         rows = pid_m + tl.arange(0, 1)
     else:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -137,8 +142,10 @@ def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: 
     block_m = 1 if m == 1 else 16
     block_n, block_k, num_warps, num_stages = config or (ONE_ROW_CONFIG if m == 1 else FEW_ROWS_CONFIG)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    if per_group:
-        block_k = min(block_k, group_size)
+    # runs of columns inside one scale group: one row steps over several, more rows one at a time
+    group_step = min(block_k, group_size) if per_group else block_k
+    if block_m > 1:
+        block_k = group_step
     column_programs = triton.cdiv(n, block_n)
     split_k = split_k or split_k_for(x, column_programs, k, block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
@@ -150,7 +157,7 @@ def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: 
     grid = (column_programs, split_k, m if block_m == 1 else triton.cdiv(m, block_m))
     _fp8_gemv_kernel[grid](x, w_q, w_s, bias if bias is not None else w_s, out, m, n, k, x.stride(0), groups,
                            group_size, k_per_split, PER_GROUP=per_group, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
-                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_STEP=group_step,
                            INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
                            num_warps=num_warps, num_stages=num_stages, **pdl_launch(x))
     return out.to(x.dtype) if split_k > 1 else out
