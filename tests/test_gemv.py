@@ -61,7 +61,7 @@ def test_fp8_gemv_launch_shapes_and_split_k_agree(config, split_k, rows):
 
 def test_fp8_gemv_reads_a_strided_activation_and_rejects_bad_groups():
     w_q, w_s = fp8_weight(16, 256, 128, seed=5)
-    x = torch.randn(3, 300).to(DEVICE)[:, :256]            # rows 300 apart, columns contiguous
+    x = torch.randn(3, 300).to(DEVICE, DTYPES[0])[:, :256]     # rows 300 apart, columns contiguous
     close(fp8_gemv(x, w_q, w_s, 128), fp8_gemv_ref(x, w_q, w_s, 128))
     with pytest.raises(ValueError, match="group_size"):
         fp8_gemv(x, w_q, torch.ones(16, 3, device=DEVICE), 96)
