@@ -146,3 +146,36 @@ def test_act_order_and_odd_groups_are_left_to_int_gemm():
     layer = random_packed(240, 16, 24, 4, DTYPES[0], seed=1)
     with pytest.raises(ValueError, match="group_size"):
         int_gemv(torch.randn(1, 240).to(DEVICE, DTYPES[0]), *int_args(layer, 4, 24))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the GEMVs serve only CUDA; the CPU keeps the twins")
+def test_linear_layers_take_the_gemv_up_to_its_row_limit():
+    """fp8_linear and the weight-only layers: the 16-bit-activation GEMV up to GEMV_MAX_ROWS rows
+    (float8 activations would round x to 3 mantissa bits), the W8A8 GEMM and int_gemm above."""
+    from torch import nn
+
+    from nanovllm.kernels import fp8_gemv as fp8_gemv_module
+    from nanovllm.kernels import int_gemv as int_gemv_module
+    from nanovllm.kernels.fp8_linear import fp8_linear, fp8_matmul_ref, quantize_activation_ref
+    from nanovllm.quantization.awq import AWQLinearMethod
+    k, n = 512, 96
+    w_q, w_s = fp8_weight(n, k, 128, seed=11)
+    for rows in (1, fp8_gemv_module.GEMV_MAX_ROWS, fp8_gemv_module.GEMV_MAX_ROWS + 1):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE, torch.bfloat16)
+        y = fp8_linear(x, w_q, w_s, 128)
+        if rows <= fp8_gemv_module.GEMV_MAX_ROWS:
+            close(y, fp8_gemv_ref(x, w_q, w_s, 128))
+        else:
+            close(y, fp8_matmul_ref(*quantize_activation_ref(x, 128), w_q, w_s, 128, torch.bfloat16))
+    t = quantize_awq(torch.randn(n, k, generator=torch.Generator().manual_seed(2)) / k ** 0.5, 128)
+    layer, method = nn.Module(), AWQLinearMethod(128)
+    for name, tensor in t.items():
+        setattr(layer, name, nn.Parameter(tensor.to(DEVICE), requires_grad=False))
+    layer.params_dtype = torch.bfloat16
+    method.process_weights_after_loading(layer)
+    args = (layer.qweight, layer.scales, layer.scaled_zeros, 4, 128)
+    for rows in (1, int_gemv_module.GEMV_MAX_ROWS):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE, torch.bfloat16)
+        y = method.apply(layer, x)
+        assert torch.equal(y, int_gemv(x, *args)), rows
+        close(y, int_gemv_ref(x, *args))
