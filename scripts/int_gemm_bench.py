@@ -148,9 +148,9 @@ def gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> Non
     dtype, group = torch.bfloat16, args.group_size
     totals = {}
     print(f"{'format':12} {'layer':13} {'M':>3} {'gemv us':>8} {'GB/s':>6} {'before us':>9} {'GB/s':>6} "
-          f"{'bf16 us':>8} {'GB/s':>6} {'x before':>8}  best sweep")
+          f"{'bf16 us':>8} {'GB/s':>6} {'speedup':>8}  best sweep")
     for name, (k, n) in shapes.items():
-        formats = {   # name -> (weight bytes read, per copy: (gemv(x, config, split), the path before))
+        formats = {   # name -> (bytes of one weight and its scales, a random weight, group size)
             "fp8 channel": (n * k + 4 * n, lambda: random_fp8_layer(k, n, None), k),
             "fp8 block": (n * k + 4 * n * -(-k // 128), lambda: random_fp8_layer(k, n, 128), 128),
             "awq int4": (k * n // 2 + 2 * 2 * (k // group) * n, lambda: random_layer(k, n, group, dtype), group),
