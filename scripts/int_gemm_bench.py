@@ -2,11 +2,18 @@
 then timed for the projections of a model shape at a few batch sizes against the 16-bit GEMM
 (F.linear) and the time it takes to read the weight bytes at --bandwidth.
 
+With --gemv, the few-row weight-streaming kernels instead (fp8_gemv, int_gemv; checked against their
+twins first): for FP8 per-channel, FP8 block [128, 128] and AWQ 4-bit weights at 1 to 16 rows, time
+and weight bytes read per second of the GEMV, of the path those rows took before it (activations
+quantized, then torch._scaled_mm or the Triton float8 GEMM; int_gemm), and of the bfloat16 GEMM.
+
 Each timing replays a CUDA graph of calls that cycle through enough copies of the layer to
 overflow the L2 cache, so every call reads its weights from memory, as in a decode step.
 
     PYTHONPATH=. python scripts/int_gemm_bench.py --config configs/qwen3-8b.json --batch 1 16 256
     PYTHONPATH=. python scripts/int_gemm_bench.py --sweep      # every candidate launch shape too
+    PYTHONPATH=. python scripts/int_gemm_bench.py --gemv       # the GEMVs at M = 1, 2, 4, 8, 16
+    PYTHONPATH=. python scripts/int_gemm_bench.py --gemv --sweep --batch 1 16   # their launch shapes too
 """
 import argparse
 import json
@@ -15,7 +22,14 @@ import math
 import torch
 import torch.nn.functional as F
 
+from nanovllm.kernels import fp8_gemv as fp8_gemv_module
+from nanovllm.kernels import int_gemv as int_gemv_module
+from nanovllm.kernels.fp8 import FP8_DTYPE
+from nanovllm.kernels.fp8_gemv import GemvConfig, fp8_gemv, fp8_gemv_ref
+from nanovllm.kernels.fp8_linear import (SCALED_MM_PER_CHANNEL, fp8_matmul, quantize_activation,
+                                         scaled_mm_per_channel)
 from nanovllm.kernels.int_gemm import DECODE_CONFIG, PREFILL_CONFIG, LaunchConfig, int_gemm, int_gemm_ref
+from nanovllm.kernels.int_gemv import int_gemv, int_gemv_ref
 from nanovllm.quantization.int_packing import awq_for_gemm, dequantize_awq
 from nanovllm.utils.quantized_checkpoint import quantize_awq
 
@@ -26,6 +40,14 @@ CANDIDATES = [LaunchConfig(*shape) for shape in [
     (16, 64, 256, 4, 4, 3, True), (16, 64, 128, 4, 4, 4, False), (16, 32, 128, 1, 4, 4, False),
     (64, 128, 64, 1, 4, 3, True), (64, 128, 64, 1, 4, 3, False), (128, 128, 64, 1, 8, 3, True),
     (64, 64, 128, 1, 4, 3, True), (128, 256, 64, 1, 8, 3, True)]]
+# --gemv --sweep: (block_n, block_k, warps, stages) of each GEMV, each with split K chosen by
+# PROGRAMS_PER_SM and with none; the one-row and the 16-row shapes of the float8 kernel differ
+FP8_ONE_ROW_CANDIDATES = [GemvConfig(*c) for c in [(4, 512, 4, 4), (8, 512, 4, 4), (8, 1024, 4, 3), (16, 256, 4, 4),
+                                                   (16, 512, 8, 4), (4, 1024, 4, 3), (8, 256, 2, 6)]]
+FP8_FEW_ROWS_CANDIDATES = [GemvConfig(*c) for c in [(16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3),
+                                                    (32, 256, 4, 4), (32, 128, 4, 5), (16, 256, 8, 4)]]
+INT_CANDIDATES = [GemvConfig(*c) for c in [(32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 4), (64, 64, 4, 6),
+                                           (128, 64, 4, 4), (256, 128, 8, 3), (32, 256, 4, 3)]]
 
 
 def projections(config: dict) -> dict[str, tuple[int, int]]:
@@ -86,14 +108,119 @@ def check(dtype: torch.dtype) -> None:
           f"(twin vs float32 weights: {twin_err:.2e})")
 
 
+def random_fp8_layer(k: int, n: int, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8 [N, K] and float32 scales per row (group_size None) or per row and group, on the GPU."""
+    w = (torch.randn(n, k, device="cuda") * 64).clamp(-448, 448).to(FP8_DTYPE)
+    groups = 1 if group_size is None else -(-k // group_size)
+    return w, torch.rand(n, groups, device="cuda") * 1e-3 + 1e-4
+
+
+def w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The float8 path of fp8_linear without the GEMV: quantize the activations, then the GEMM."""
+    x_q, x_s = quantize_activation(x, group_size)
+    if s.shape[1] == 1 and SCALED_MM_PER_CHANNEL:
+        return scaled_mm_per_channel(x_q, x_s, w, s, x.dtype)
+    return fp8_matmul(x_q, x_s, w, s, group_size, x.dtype)
+
+
+def check_gemv() -> None:
+    """Both GEMVs against their twins in bfloat16, with and without split K."""
+    k, n, group = 1536, 1000, 128
+    worst = {"fp8 channel": 0.0, "fp8 block": 0.0, "int4": 0.0}
+    fp8 = {"fp8 channel": (random_fp8_layer(k, n, None), k), "fp8 block": (random_fp8_layer(k, n, group), group)}
+    packed = random_layer(k, n, group, torch.bfloat16)
+    int_args = (packed["qweight"], packed["scales"], packed["scaled_zeros"], 4, group)
+    for m in (1, 5, 16):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for split in (None, 1, 3):
+            for name, ((w, s), g) in fp8.items():
+                out, ref = fp8_gemv(x, w, s, g, split_k=split).float(), fp8_gemv_ref(x, w, s, g).float()
+                worst[name] = max(worst[name], ((out - ref).abs().max() / ref.abs().max()).item())
+            out, ref = int_gemv(x, *int_args, split_k=split).float(), int_gemv_ref(x, *int_args).float()
+            worst["int4"] = max(worst["int4"], ((out - ref).abs().max() / ref.abs().max()).item())
+    print("GEMV kernels vs twins, bfloat16, worst max-abs error / max |y|: "
+          + ", ".join(f"{name} {err:.2e}" for name, err in worst.items()))
+    assert all(err < 2e-2 for err in worst.values()), worst
+
+
+def gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> None:
+    """Each format's GEMV against the path it replaces and against bfloat16, per projection and M."""
+    dtype, group = torch.bfloat16, args.group_size
+    totals = {}
+    print(f"{'format':12} {'layer':13} {'M':>3} {'gemv us':>8} {'GB/s':>6} {'before us':>9} {'GB/s':>6} "
+          f"{'bf16 us':>8} {'GB/s':>6} {'speedup':>8}  best sweep")
+    for name, (k, n) in shapes.items():
+        formats = {   # name -> (bytes of one weight and its scales, a random weight, group size)
+            "fp8 channel": (n * k + 4 * n, lambda: random_fp8_layer(k, n, None), k),
+            "fp8 block": (n * k + 4 * n * -(-k // 128), lambda: random_fp8_layer(k, n, 128), 128),
+            "awq int4": (k * n // 2 + 2 * 2 * (k // group) * n, lambda: random_layer(k, n, group, dtype), group),
+        }
+        copies16 = max(2, min(16, math.ceil(4 * L2_BYTES / (2 * k * n))))
+        weights16 = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(copies16)]
+        layers = {fmt: [make() for _ in range(max(2, min(32, math.ceil(4 * L2_BYTES / nbytes))))]
+                  for fmt, (nbytes, make, _) in formats.items()}
+        for m in args.batch:
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            act_bytes = 2 * m * (k + n)
+            t16 = graph_time([lambda w=w: F.linear(x, w) for w in weights16])
+            for fmt, (nbytes, _, g) in formats.items():
+                if fmt == "awq int4":
+                    def gemv(config=None, split=None):
+                        return [lambda l=l: int_gemv(x, l["qweight"], l["scales"], l["scaled_zeros"], 4, g,
+                                                     config=config, split_k=split) for l in layers[fmt]]
+                    before = [lambda l=l: int_gemm(x, l["qweight"], l["scales"], l["scaled_zeros"], 4, g)
+                              for l in layers[fmt]]
+                    candidates = INT_CANDIDATES
+                else:
+                    def gemv(config=None, split=None):
+                        return [lambda l=l: fp8_gemv(x, l[0], l[1], g, config=config, split_k=split)
+                                for l in layers[fmt]]
+                    before = [lambda l=l: w8a8(x, l[0], l[1], g) for l in layers[fmt]]
+                    candidates = FP8_ONE_ROW_CANDIDATES if m == 1 else FP8_FEW_ROWS_CANDIDATES
+                t_gemv, t_before = graph_time(gemv()), graph_time(before)
+                best = ""
+                if args.sweep:
+                    timed = sorted([(graph_time(gemv(c, split)), str(tuple(c)), split or "auto")
+                                    for c in candidates for split in (None, 1)], key=lambda timing: timing[0])
+                    best = ", ".join(f"{t * 1e6:.1f} us {c} split {sp}" for t, c, sp in timed[:2])
+                for key, t in (("gemv", t_gemv), ("before", t_before), ("bf16", t16)):
+                    totals.setdefault((fmt, m), {}).setdefault(key, 0.0)
+                    totals[(fmt, m)][key] += t
+                gbs = lambda b, t: (b + act_bytes) / t / 1e9
+                print(f"{fmt:12} {name:13} {m:3d} {t_gemv * 1e6:8.1f} {gbs(nbytes, t_gemv):6.0f} "
+                      f"{t_before * 1e6:9.1f} {gbs(nbytes, t_before):6.0f} {t16 * 1e6:8.1f} "
+                      f"{gbs(2 * k * n, t16):6.0f} {t_before / t_gemv:8.2f}  {best}", flush=True)
+        del layers, weights16
+        torch.cuda.empty_cache()
+    for (fmt, m), t in totals.items():
+        print(f"{fmt:12} M={m:<3d} four projections x{num_layers} layers: gemv {num_layers * t['gemv'] * 1e3:.2f} ms, "
+              f"before {num_layers * t['before'] * 1e3:.2f} ms, bf16 {num_layers * t['bf16'] * 1e3:.2f} ms")
+    print(f"GEMV knobs: fp8 {fp8_gemv_module.ONE_ROW_CONFIG} (M=1), {fp8_gemv_module.FEW_ROWS_CONFIG} (M>1); "
+          f"int {int_gemv_module.ONE_ROW_CONFIG} (M=1), {int_gemv_module.FEW_ROWS_CONFIG} (M>1); "
+          f"PROGRAMS_PER_SM {fp8_gemv_module.PROGRAMS_PER_SM}; GEMV_MAX_ROWS fp8 {fp8_gemv_module.GEMV_MAX_ROWS}, "
+          f"int {int_gemv_module.GEMV_MAX_ROWS}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/qwen3-8b.json")
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 256])
+    parser.add_argument("--batch", type=int, nargs="+", help="rows (default 1 16 256; with --gemv 1 2 4 8 16)")
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--bandwidth", type=float, default=3.0e12, help="bytes/s of the weight-read floor")
     parser.add_argument("--sweep", action="store_true", help="time every candidate launch shape too")
+    parser.add_argument("--gemv", action="store_true", help="the few-row GEMVs against the paths before them and bf16")
+    parser.add_argument("--programs-per-sm", type=int, help="the GEMVs' split-K target (PROGRAMS_PER_SM)")
     args = parser.parse_args()
+    if args.programs_per_sm:
+        fp8_gemv_module.PROGRAMS_PER_SM = args.programs_per_sm
+    if args.gemv:
+        args.batch = args.batch or [1, 2, 4, 8, 16]
+        with open(args.config) as f:
+            model = json.load(f)
+        check_gemv()
+        gemv_table(args, projections(model), model["num_hidden_layers"])
+        return
+    args.batch = args.batch or [1, 16, 256]
     for dtype in (torch.bfloat16, torch.float16):
         check(dtype)
     with open(args.config) as f:

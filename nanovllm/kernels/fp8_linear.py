@@ -19,6 +19,7 @@ as measured (docs/benchmarks.md, quantized weights).
 import torch
 
 from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from nanovllm.kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv
 from nanovllm.kernels.triton_compat import cuda_major_capability, pdl_launch, tl, triton, wait_for_previous_kernel
 
 # the smallest activation scale: a token of zeros quantizes to zeros instead of dividing by zero
@@ -184,10 +185,13 @@ def scaled_mm_per_channel(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tenso
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] 16/32-bit -> [..., N] in x's dtype: quantize the activations, then the float8 GEMM.
-    The CPU runs the twins."""
+    On CUDA, up to GEMV_MAX_ROWS 16-bit rows without a static input scale skip the quantization and
+    stream the weight through fp8_gemv (16-bit activations: see fp8_gemv.py). The CPU runs the twins."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
-    if not x.is_cuda:
+    if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS and input_scale is None and x.dtype != torch.float32:
+        y = fp8_gemv(x.contiguous() if x.stride(-1) != 1 else x, w_q, w_s, group_size, bias)
+    elif not x.is_cuda:
         x_q, x_s = quantize_activation_ref(x, group_size, input_scale)
         y = fp8_matmul_ref(x_q, x_s, w_q, w_s, group_size, x.dtype, bias)
     else:

@@ -1,0 +1,163 @@
+"""Few-row products with float8 (e4m3) weights and 16-bit activations: y = x @ dequant(w_q).T + bias.
+
+At decode (a few rows) the product is bound by reading the weight bytes, so the activations are not
+quantized: x stays 16-bit and each weight tile is widened in registers (e4m3 is exact in float16 and
+bfloat16), products summed in float32. The numerics are those of the dequantized weight with
+unquantized activations, slightly closer to the 16-bit model than fp8_linear's W8A8 path, which
+larger batches keep (they are bound by the matrix cores, where float8 x float8 pays).
+
+Weights w_q [N, K] float8 with float32 scales w_s [N, G]: per row (G = 1) or per row and group of
+`group_size` input columns (fp8_linear's layout of block scales). Each program streams a run of
+BLOCK_N whole weight rows along K with wide contiguous loads; when that leaves too few programs to
+keep every SM reading (small N), K is split over programs too and their float32 partial sums meet
+by atomic adds. One row (M = 1) multiplies element-wise and reduces once at the end; 2 to 16 rows
+go through a 16-row matrix-core product per tile.
+`fp8_gemv_ref` is the torch twin.
+"""
+import functools
+from typing import NamedTuple
+
+import torch
+
+from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
+
+# fp8_linear sends products of at most this many rows (and no static input scale) here on CUDA.
+# To be set from `scripts/int_gemm_bench.py --gemv` on an H100 (the row count where the W8A8 path wins).
+GEMV_MAX_ROWS = 16
+# Split K while the grid has fewer than this many programs per SM (weight streams in flight on every SM).
+PROGRAMS_PER_SM = 4
+
+
+class GemvConfig(NamedTuple):
+    block_n: int        # weight rows (fp8) or packed columns (int) per program
+    block_k: int        # input columns per loop step
+    num_warps: int
+    num_stages: int
+
+
+# One row: 8 rows x 512 bytes per step (16-byte loads); more rows: the 16x16 matrix-core tile.
+ONE_ROW_CONFIG = GemvConfig(8, 512, 4, 4)
+FEW_ROWS_CONFIG = GemvConfig(16, 256, 4, 4)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_k_for(x: torch.Tensor, column_programs: int, k: int, block_k: int) -> int:
+    """How many programs share each output tile's K range so the grid fills the GPU."""
+    if not x.is_cuda:
+        return 1 if column_programs >= 8 else min(2, triton.cdiv(k, block_k))   # the interpreter: exercise both
+    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    # rounded down: a split costs two small kernels (zeroing the float32 sums, then casting them)
+    return max(1, min(PROGRAMS_PER_SM * _sm_count(device) // column_programs, triton.cdiv(k, block_k)))
+
+
+def fp8_gemv_ref(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch twin: float32 product of x and the dequantized weight, in x's dtype."""
+    w = w_q.float() * w_s.float().repeat_interleave(group_size, dim=1)[:, :w_q.shape[1]]
+    y = x.float() @ w.T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemv_kernel(x_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K, stride_x, NUM_GROUPS, GROUP_SIZE, K_PER_SPLIT,
+                     PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_STEP: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
+    if BLOCK_M == 1:
+        # element-wise products kept per lane, one reduction across K at the end; a step covers
+        # BLOCK_K // GROUP_STEP runs of GROUP_STEP columns, each inside one scale group
+        runs = tl.arange(0, BLOCK_K // GROUP_STEP)
+        acc3 = tl.zeros((BLOCK_N, BLOCK_K // GROUP_STEP, GROUP_STEP), dtype=tl.float32)
+        x_row = x_ptr + pid_m * stride_x
+        for k0 in range(k_start, k_end, BLOCK_K):
+            kcol = k0 + runs[:, None] * GROUP_STEP + tl.arange(0, GROUP_STEP)[None, :]
+            k_ok = kcol < k_end
+            x = tl.load(x_row + kcol, mask=k_ok, other=0.0).to(tl.float32)[None, :, :]
+            w = tl.load(w_rows[:, :, None] + kcol[None, :, :], mask=col_ok[:, None, None] & k_ok[None, :, :],
+                        other=0.0).to(tl.float32)
+            if PER_GROUP:
+                g = (k0 + runs * GROUP_STEP) // GROUP_SIZE
+                s = tl.load(w_s_ptr + cols[:, None] * NUM_GROUPS + g[None, :],
+                            mask=col_ok[:, None] & (g < NUM_GROUPS)[None, :], other=0.0)
+                acc3 += w * x * s[:, :, None]
+            else:
+                acc3 += w * x
+        acc = tl.sum(tl.sum(acc3, axis=2), axis=1)[None, :]
+        rows = pid_m + tl.arange(0, 1)
+    else:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k_ok = k0 + ks < k_end
+            x = tl.load(x_ptr + rows[:, None] * stride_x + k0 + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            w = tl.load(w_rows + k0 + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(x.dtype)
+            if PER_GROUP:
+                s = tl.load(w_s_ptr + cols * NUM_GROUPS + k0 // GROUP_SIZE,
+                            mask=col_ok, other=0.0)
+                acc += tl.dot(x, tl.trans(w), input_precision=INPUT_PRECISION) * s[None, :]
+            else:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=INPUT_PRECISION)
+    if not PER_GROUP:
+        acc = acc * tl.load(w_s_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    if HAS_BIAS:    # added once: by the first K split
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
+    out = out_ptr + rows[:, None] * N + cols[None, :]
+    mask = (rows < M)[:, None] & col_ok[None, :]
+    if SPLIT:
+        tl.atomic_add(out, acc, mask=mask)
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
+             bias: torch.Tensor | None = None, config: GemvConfig | None = None,
+             split_k: int | None = None) -> torch.Tensor:
+    """The Triton twin of `fp8_gemv_ref`: x [M, K] (last dimension contiguous), w_q [N, K] contiguous,
+    w_s [N, G]; with G > 1, group_size is a power of two of at least 16 and K's groups are
+    ceil(K / group_size). Meant for M <= GEMV_MAX_ROWS; larger M runs, in tiles of 16 rows."""
+    m, k = x.shape
+    n = w_q.shape[0]
+    groups = w_s.shape[1]
+    per_group = groups > 1
+    if per_group and (group_size < 16 or group_size & (group_size - 1) or groups != triton.cdiv(k, group_size)):
+        raise ValueError(f"fp8_gemv: group_size {group_size} must be a power of two >= 16 with "
+                         f"ceil(K / group_size) = {groups} scale columns (K = {k})")
+    block_m = 1 if m == 1 else 16
+    block_n, block_k, num_warps, num_stages = config or (ONE_ROW_CONFIG if m == 1 else FEW_ROWS_CONFIG)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    # runs of columns inside one scale group: one row steps over several, more rows one at a time
+    group_step = min(block_k, group_size) if per_group else block_k
+    if block_m > 1:
+        block_k = group_step
+    column_programs = triton.cdiv(n, block_n)
+    split_k = split_k or split_k_for(x, column_programs, k, block_k)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k > 1 else \
+        torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.to(x.dtype)
+    grid = (column_programs, split_k, m if block_m == 1 else triton.cdiv(m, block_m))
+    _fp8_gemv_kernel[grid](x, w_q, w_s, bias if bias is not None else w_s, out, m, n, k, x.stride(0), groups,
+                           group_size, k_per_split, PER_GROUP=per_group, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
+                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_STEP=group_step,
+                           INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+                           num_warps=num_warps, num_stages=num_stages, **pdl_launch(x))
+    return out.to(x.dtype) if split_k > 1 else out
