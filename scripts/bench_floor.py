@@ -4,6 +4,7 @@ copies at, then that plus the prefill's GEMM FLOPs at the GPU's dense peak (whic
 8B shape up, where prefill is a sixth of the run).
 
     python scripts/bench_floor.py configs/qwen3-0.6b.json [--kv-bytes 1] [--bandwidth 3.0e12] [--peak-tflops 989]
+    python scripts/bench_floor.py configs/qwen3-30b-a3b-fp8.json --kv-bytes 1 --linear-bytes 1 --peak-tflops 1979
 
 Weights: every parameter once per step, except an untied input embedding (only the rows of the
 step's tokens are read). Assumes all 256 requests decode side by side (the pool holds them), so
@@ -25,6 +26,8 @@ def main():
     parser.add_argument("config", help="config.json of a model shape (see configs/)")
     parser.add_argument("--kv-bytes", type=float, default=2.0, help="bytes per stored K/V element (1 for fp8)")
     parser.add_argument("--bandwidth", type=float, default=3.0e12, help="bytes/s the GPU copies")
+    parser.add_argument("--linear-bytes", type=float, default=2.0,
+                        help="bytes per weight of the projections and experts (1 for FP8, about 0.53 for 4 bits)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense 16-bit TFLOP/s (H100 SXM: 989)")
     args = parser.parse_args()
     with open(args.config) as f:
@@ -38,11 +41,11 @@ def main():
             continue
         if ".experts." in name:         # a MoE layer reads only the experts its tokens pick
             continue
-        weight_bytes += p.numel() * 2
+        weight_bytes += p.numel() * (args.linear_bytes if name.endswith("_proj.weight") else 2)
     experts = getattr(config, "num_experts", 0)
     expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     if experts:                         # at large batch every expert is picked: count them all
-        weight_bytes += expert_params * 2
+        weight_bytes += expert_params * args.linear_bytes
     # weights a prompt token goes through in prefill
     token_params = sum(p.numel() for n, p in model.named_parameters(remove_duplicate=False)
                        if "embed_tokens" not in n and "lm_head" not in n and ".experts." not in n)

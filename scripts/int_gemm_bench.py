@@ -2,10 +2,11 @@
 then timed for the projections of a model shape at a few batch sizes against the 16-bit GEMM
 (F.linear) and the time it takes to read the weight bytes at --bandwidth.
 
-With --gemv, the few-row weight-streaming kernels instead (fp8_gemv, int_gemv; checked against their
-twins first): for FP8 per-channel, FP8 block [128, 128] and AWQ 4-bit weights at 1 to 16 rows, time
-and weight bytes read per second of the GEMV, of the path those rows took before it (activations
-quantized, then torch._scaled_mm or the Triton float8 GEMM; int_gemm), and of the bfloat16 GEMM.
+With --gemv, the few-row weight-streaming float8 kernel instead (fp8_gemv, checked against its twin
+first): for FP8 per-channel and FP8 block [128, 128] weights at 1 to 16 rows, time and weight bytes
+read per second of the GEMV, of the W8A8 path (activations quantized, then torch._scaled_mm or the
+Triton float8 GEMM), and of the bfloat16 GEMM. (A 4-bit GEMV was tried and lost to int_gemm at
+every row count: docs/benchmarks.md.)
 
 Each timing replays a CUDA graph of calls that cycle through enough copies of the layer to
 overflow the L2 cache, so every call reads its weights from memory, as in a decode step.
@@ -23,13 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels import fp8_gemv as fp8_gemv_module
-from nanovllm.kernels import int_gemv as int_gemv_module
 from nanovllm.kernels.fp8 import FP8_DTYPE
 from nanovllm.kernels.fp8_gemv import GemvConfig, fp8_gemv, fp8_gemv_ref
 from nanovllm.kernels.fp8_linear import (SCALED_MM_PER_CHANNEL, fp8_matmul, quantize_activation,
                                          scaled_mm_per_channel)
 from nanovllm.kernels.int_gemm import DECODE_CONFIG, PREFILL_CONFIG, LaunchConfig, int_gemm, int_gemm_ref
-from nanovllm.kernels.int_gemv import int_gemv, int_gemv_ref
 from nanovllm.quantization.int_packing import awq_for_gemm, dequantize_awq
 from nanovllm.utils.quantized_checkpoint import quantize_awq
 
@@ -46,8 +45,6 @@ FP8_ONE_ROW_CANDIDATES = [GemvConfig(*c) for c in [(4, 512, 4, 4), (8, 512, 4, 4
                                                    (16, 512, 8, 4), (4, 1024, 4, 3), (8, 256, 2, 6)]]
 FP8_FEW_ROWS_CANDIDATES = [GemvConfig(*c) for c in [(16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3),
                                                     (32, 256, 4, 4), (32, 128, 4, 5), (16, 256, 8, 4)]]
-INT_CANDIDATES = [GemvConfig(*c) for c in [(32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 4), (64, 64, 4, 6),
-                                           (128, 64, 4, 4), (256, 128, 8, 3), (32, 256, 4, 3)]]
 
 
 def projections(config: dict) -> dict[str, tuple[int, int]]:
@@ -124,20 +121,16 @@ def w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, group_size: int) -> 
 
 
 def check_gemv() -> None:
-    """Both GEMVs against their twins in bfloat16, with and without split K."""
+    """The GEMV against its twin in bfloat16, with and without split K."""
     k, n, group = 1536, 1000, 128
-    worst = {"fp8 channel": 0.0, "fp8 block": 0.0, "int4": 0.0}
+    worst = {"fp8 channel": 0.0, "fp8 block": 0.0}
     fp8 = {"fp8 channel": (random_fp8_layer(k, n, None), k), "fp8 block": (random_fp8_layer(k, n, group), group)}
-    packed = random_layer(k, n, group, torch.bfloat16)
-    int_args = (packed["qweight"], packed["scales"], packed["scaled_zeros"], 4, group)
     for m in (1, 5, 16):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         for split in (None, 1, 3):
             for name, ((w, s), g) in fp8.items():
                 out, ref = fp8_gemv(x, w, s, g, split_k=split).float(), fp8_gemv_ref(x, w, s, g).float()
                 worst[name] = max(worst[name], ((out - ref).abs().max() / ref.abs().max()).item())
-            out, ref = int_gemv(x, *int_args, split_k=split).float(), int_gemv_ref(x, *int_args).float()
-            worst["int4"] = max(worst["int4"], ((out - ref).abs().max() / ref.abs().max()).item())
     print("GEMV kernels vs twins, bfloat16, worst max-abs error / max |y|: "
           + ", ".join(f"{name} {err:.2e}" for name, err in worst.items()))
     assert all(err < 2e-2 for err in worst.values()), worst
@@ -153,7 +146,6 @@ def gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> Non
         formats = {   # name -> (bytes of one weight and its scales, a random weight, group size)
             "fp8 channel": (n * k + 4 * n, lambda: random_fp8_layer(k, n, None), k),
             "fp8 block": (n * k + 4 * n * -(-k // 128), lambda: random_fp8_layer(k, n, 128), 128),
-            "awq int4": (k * n // 2 + 2 * 2 * (k // group) * n, lambda: random_layer(k, n, group, dtype), group),
         }
         copies16 = max(2, min(16, math.ceil(4 * L2_BYTES / (2 * k * n))))
         weights16 = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(copies16)]
@@ -164,19 +156,11 @@ def gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> Non
             act_bytes = 2 * m * (k + n)
             t16 = graph_time([lambda w=w: F.linear(x, w) for w in weights16])
             for fmt, (nbytes, _, g) in formats.items():
-                if fmt == "awq int4":
-                    def gemv(config=None, split=None):
-                        return [lambda l=l: int_gemv(x, l["qweight"], l["scales"], l["scaled_zeros"], 4, g,
-                                                     config=config, split_k=split) for l in layers[fmt]]
-                    before = [lambda l=l: int_gemm(x, l["qweight"], l["scales"], l["scaled_zeros"], 4, g)
-                              for l in layers[fmt]]
-                    candidates = INT_CANDIDATES
-                else:
-                    def gemv(config=None, split=None):
-                        return [lambda l=l: fp8_gemv(x, l[0], l[1], g, config=config, split_k=split)
-                                for l in layers[fmt]]
-                    before = [lambda l=l: w8a8(x, l[0], l[1], g) for l in layers[fmt]]
-                    candidates = FP8_ONE_ROW_CANDIDATES if m == 1 else FP8_FEW_ROWS_CANDIDATES
+                def gemv(config=None, split=None):
+                    return [lambda l=l: fp8_gemv(x, l[0], l[1], g, config=config, split_k=split)
+                            for l in layers[fmt]]
+                before = [lambda l=l: w8a8(x, l[0], l[1], g) for l in layers[fmt]]
+                candidates = FP8_ONE_ROW_CANDIDATES if m == 1 else FP8_FEW_ROWS_CANDIDATES
                 t_gemv, t_before = graph_time(gemv()), graph_time(before)
                 best = ""
                 if args.sweep:
@@ -195,10 +179,8 @@ def gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> Non
     for (fmt, m), t in totals.items():
         print(f"{fmt:12} M={m:<3d} four projections x{num_layers} layers: gemv {num_layers * t['gemv'] * 1e3:.2f} ms, "
               f"before {num_layers * t['before'] * 1e3:.2f} ms, bf16 {num_layers * t['bf16'] * 1e3:.2f} ms")
-    print(f"GEMV knobs: fp8 {fp8_gemv_module.ONE_ROW_CONFIG} (M=1), {fp8_gemv_module.FEW_ROWS_CONFIG} (M>1); "
-          f"int {int_gemv_module.ONE_ROW_CONFIG} (M=1), {int_gemv_module.FEW_ROWS_CONFIG} (M>1); "
-          f"PROGRAMS_PER_SM {fp8_gemv_module.PROGRAMS_PER_SM}; GEMV_MAX_ROWS fp8 {fp8_gemv_module.GEMV_MAX_ROWS}, "
-          f"int {int_gemv_module.GEMV_MAX_ROWS}")
+    print(f"GEMV knobs: {fp8_gemv_module.ONE_ROW_CONFIG} (M=1), {fp8_gemv_module.FEW_ROWS_CONFIG} (M>1); "
+          f"PROGRAMS_PER_SM {fp8_gemv_module.PROGRAMS_PER_SM}; GEMV_MAX_ROWS {fp8_gemv_module.GEMV_MAX_ROWS}")
 
 
 def main() -> None:

@@ -22,8 +22,10 @@ import torch
 from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
 
 # fp8_linear sends products of at most this many rows (and no static input scale) here on CUDA.
-# To be set from `scripts/int_gemm_bench.py --gemv` on an H100 (the row count where the W8A8 path wins).
-GEMV_MAX_ROWS = 16
+# Measured on one H100 (`scripts/int_gemm_bench.py --gemv`, Qwen3-8B projections, docs/benchmarks.md):
+# at one row the four projections of 36 layers take 3.25 ms against 5.02 for the W8A8 path
+# (per-channel; block 4.21 against 4.47); from two rows on the W8A8 path is as fast or faster.
+GEMV_MAX_ROWS = 1
 # Split K while the grid has fewer than this many programs per SM (weight streams in flight on every SM).
 PROGRAMS_PER_SM = 4
 

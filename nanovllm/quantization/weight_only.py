@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from nanovllm.kernels.int_gemm import int_gemm, int_gemm_ref
-from nanovllm.kernels.int_gemv import GEMV_MAX_ROWS, gemv_supported, int_gemv
 from nanovllm.quantization.base import LinearMethod
 
 
@@ -33,16 +32,10 @@ class WeightOnlyIntMethod(LinearMethod):
         layer.group_size = group_size
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # the Triton kernels on the GPU for 16-bit activations (the weight-streaming GEMV for a few
-        # rows); the twin on the CPU and for float32
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        args = (layer.qweight, layer.scales, layer.scaled_zeros, self.bits, layer.group_size)
-        if not x.is_cuda or x.dtype == torch.float32:
-            y = int_gemm_ref(x2, *args, layer.g_idx)
-        elif x2.shape[0] <= GEMV_MAX_ROWS and gemv_supported(x2.shape[1], layer.group_size, layer.g_idx):
-            y = int_gemv(x2, *args)
-        else:
-            y = int_gemm(x2, *args, layer.g_idx)
+        # the Triton kernel on the GPU for 16-bit activations; the twin on the CPU and for float32
+        gemm = int_gemm if x.is_cuda and x.dtype != torch.float32 else int_gemm_ref
+        y = gemm(x.reshape(-1, x.shape[-1]).contiguous(), layer.qweight, layer.scales, layer.scaled_zeros,
+                 self.bits, layer.group_size, layer.g_idx)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
 
