@@ -26,10 +26,13 @@ def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: t
 def _apply_token_bitmask_kernel(logits_ptr, stride_row, bitmask_ptr, num_words, rows_ptr, vocab_size,
                                 BLOCK: tl.constexpr):
     i = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    block = tl.program_id(1)
     row = tl.load(rows_ptr + i).to(tl.int64)
-    word = tl.load(bitmask_ptr + i * num_words + offs // 32, mask=offs < num_words * 32, other=0)
-    banned = ((word >> (offs % 32)) & 1) == 0
+    w = block * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+    words = tl.load(bitmask_ptr + i * num_words + w, mask=w < num_words, other=0)
+    # row-major [words, 32 bits]: entry j is token 32 w + j
+    banned = tl.reshape(((words[:, None] >> tl.arange(0, 32)[None, :]) & 1) == 0, [BLOCK])
+    offs = block * BLOCK + tl.arange(0, BLOCK)
     tl.store(logits_ptr + row * stride_row + offs, float("-inf"), mask=(offs < vocab_size) & banned)
 
 
