@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+from nanovllm.engine.sequence import Sequence
 from nanovllm.engine_loop import ACCEPTED, OUTPUT, REFUSED, AddRequest, EngineLoop, Stop
 from tests.conftest import mixed_prompts
 from tests.test_interrupts import Injected, assert_consistent, fail_on_call, restore
@@ -318,3 +319,59 @@ def test_utf8_guard_allows_exactly_the_continuations_python_decodes(llm):
                 valid = False
             assert bit == valid, (hex(lead), hex(byte))
         assert guard.lead_of[singles[lead]] == lead
+
+
+def test_masks_stay_exact_over_steps_with_changing_rows(llm):
+    """token_bitmask fills two host buffers in turn, holding only the constrained rows: poisoned
+    before each step, with constrained and unconstrained sequences joining, leaving, reordering and
+    ending their grammars, each step's masks are still exactly what a fresh matcher fed the same
+    tokens fills, for the rows they name; the matchers end exactly when xgrammar says they do."""
+    manager = llm._structured_output_manager()
+    xgr, vocab_size = manager.xgr, manager.vocab_size
+    kinds = [JSON, StructuredOutputsParams(regex=REGEX), StructuredOutputsParams(choice=CHOICES),
+             StructuredOutputsParams(grammar=EBNF), None]
+    seqs = []
+    for i in range(15):
+        structured = kinds[i % len(kinds)]
+        seq = Sequence([1 + i, 2, 3], SamplingParams(structured_outputs=structured, ignore_eos=i % 3 == 0))
+        if structured is not None:
+            seq.grammar = manager.new_grammar(structured, seq.sampling_params.ignore_eos)
+        seqs.append(seq)
+    generator = torch.Generator().manual_seed(0)
+    checked_rows = 0
+    for step in range(40):
+        batch = [seqs[i] for i in torch.randperm(len(seqs), generator=generator)[:int(4 + step % 11)].tolist()]
+        for buffer in manager.buffers:
+            buffer.fill_(0x2AAAAAAA)
+        masks = manager.token_bitmask(batch)
+        constrained = [row for row, seq in enumerate(batch) if seq.grammar is not None and seq.grammar.constrains]
+        for seq in batch:
+            if seq.grammar is not None:
+                assert seq.grammar.constrains == (not seq.grammar.rejected and not seq.grammar.matcher.is_terminated())
+        if masks is None:
+            assert not constrained
+            continue
+        assert masks.rows.tolist() == constrained
+        bitmask, rows = masks.to(torch.device("cpu"))
+        assert torch.equal(bitmask, masks.bitmask) and rows.tolist() == constrained
+        for i, row in enumerate(constrained):
+            seq = batch[row]
+            fresh = xgr.GrammarMatcher(manager.compile(seq.sampling_params.structured_outputs))
+            for token_id in seq.completion_token_ids:
+                assert fresh.accept_token(token_id)
+            want = xgr.allocate_token_bitmask(1, vocab_size)
+            fresh.fill_next_token_bitmask(want)
+            lead = manager.utf8_guard.lead_of.get(seq.token_ids[-1]) if seq.completion_token_ids else None
+            if lead is not None:
+                want[0] &= manager.utf8_guard.allowed_after[lead]
+            assert torch.equal(masks.bitmask[i], want[0]), (step, row)
+            checked_rows += 1
+        for i, row in enumerate(constrained):      # each constrained row takes a token its mask allows
+            allowed = ((masks.bitmask[i].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
+            choices = allowed[:vocab_size].nonzero().flatten()
+            batch[row].append_token(int(choices[torch.randint(len(choices), (1,), generator=generator)]))
+        for row, seq in enumerate(batch):
+            if row not in constrained:
+                seq.append_token(5)
+    assert checked_rows > 100
+    assert any(seq.grammar is not None and not seq.grammar.constrains for seq in seqs)   # some grammars ended

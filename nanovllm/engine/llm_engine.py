@@ -218,6 +218,7 @@ class LLMEngine:
             "prefix_cache_host_hits": sched.prefix_cache_host_hits,
             # structured outputs: host seconds spent filling token masks, the steps and rows masked
             "structured_output_mask_seconds": self.structured.mask_seconds if self.structured else 0.0,
+            "structured_output_accept_seconds": self.structured.accept_seconds if self.structured else 0.0,
             "structured_output_mask_steps": self.structured.num_masked_steps if self.structured else 0,
             "structured_output_masked_rows": self.structured.num_masked_rows if self.structured else 0,
         }
@@ -310,11 +311,11 @@ class LLMEngine:
         else:
             seqs = step.seqs
         grown = self.scheduler.fill(seqs, token_ids, logprobs)
+        if self.structured is not None:
+            self.structured.accept([seq for seq in grown if seq.grammar is not None])
         for seq in grown:
-            if seq.grammar is not None:
-                seq.grammar.catch_up(seq)
-                if seq.grammar.finished and not seq.is_finished:
-                    self.scheduler.finish(seq, "stop")
+            if seq.grammar is not None and seq.grammar.finished and not seq.is_finished:
+                self.scheduler.finish(seq, "stop")
             if seq.sampling_params.stop:
                 self._apply_stop_strings(seq)
             if seq.is_finished:

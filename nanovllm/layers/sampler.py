@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from nanovllm.kernels.sampling import gumbel_argmax, gumbel_argmax_ref
+from nanovllm.kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
 
 
 @dataclass(slots=True)
@@ -24,10 +25,10 @@ class SamplingTensors:
     min_p: torch.Tensor | None = None     # [n] float32, 0 where off
     banned_tokens: dict[int, list[int]] | None = None   # row -> ids not allowed yet (min_tokens)
     max_logprobs: int | None = None       # top alternatives to report; None: no logprobs asked
-    # structured outputs: bit t of row r's mask allows token t ([n, ceil(vocab / 32)] int32, from
-    # xgrammar), applied to the rows listed (None: all); None when no row is constrained
+    # structured outputs: bit t of bitmask row i allows token t in logits row bitmask_rows[i] ([k,
+    # ceil(vocab / 32)] int32 from xgrammar, [k] int32); None when no row is constrained
     token_bitmask: torch.Tensor | None = None
-    bitmask_rows: list[int] | None = None
+    bitmask_rows: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -58,8 +59,8 @@ class Sampler(nn.Module):
         for row, token_ids in (params.banned_tokens or {}).items():
             logits[row, token_ids] = float("-inf")
         if params.token_bitmask is not None:
-            from xgrammar import apply_token_bitmask_inplace   # installed wherever a grammar was compiled
-            apply_token_bitmask_inplace(logits, params.token_bitmask, indices=params.bitmask_rows)
+            apply = apply_token_bitmask if logits.is_cuda else apply_token_bitmask_ref
+            apply(logits, params.token_bitmask, params.bitmask_rows)
         return logits
 
     @staticmethod

@@ -24,6 +24,7 @@ from nanovllm.attention import choose_attention_backend, use_metadata
 from nanovllm.config import Config
 from nanovllm.engine.scheduler import SPECULATION_MAX_RUNNING, ScheduledBatch
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.structured_output import TokenBitmask
 from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
@@ -200,9 +201,12 @@ class ModelRunner:
         hidden = torch.zeros(config.max_num_seqs, config.model_config.hidden_size, device=self.device)
         logits = self.model.compute_logits(hidden.to(config.torch_dtype))
         rows = config.max_num_seqs
-        if self.rank == 0:
+        if self.rank == 0:     # under grammars' masks (allowing all): compiles that kernel, counts its logits copy
+            int32 = dict(dtype=torch.int32, device=self.device)
             self.sampler(logits, SamplingTensors(torch.ones(rows, device=self.device),
-                                                 torch.zeros(rows, dtype=torch.int64, device=self.device)))
+                                                 torch.zeros(rows, dtype=torch.int64, device=self.device),
+                                                 token_bitmask=torch.full((rows, -(-logits.shape[1] // 32)), -1, **int32),
+                                                 bitmask_rows=torch.arange(rows, **int32)))
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
@@ -288,12 +292,10 @@ class ModelRunner:
         return rejection_sample(logits, sampling, verify)
 
     @torch.inference_mode()
-    def sample(self, step: LaunchedStep, token_bitmask: tuple[torch.Tensor, list[int] | None] | None = None) -> None:
-        """Queue a launched step's sampling, under the grammars' token bitmask (rows, see
-        StructuredOutputManager.token_bitmask) if any."""
+    def sample(self, step: LaunchedStep, token_bitmask: TokenBitmask | None = None) -> None:
+        """Queue a launched step's sampling, under the grammars' token bitmask if any."""
         if token_bitmask is not None:
-            bitmask, step.sampling.bitmask_rows = token_bitmask
-            step.sampling.token_bitmask = bitmask.to(self.device, non_blocking=True)
+            step.sampling.token_bitmask, step.sampling.bitmask_rows = token_bitmask.to(self.device)
         out = self.sampler(step.logits, step.sampling)
         step.logits = step.sampling = None
         self.last_token_ids = out.token_ids      # the next step reads its pending tokens from here
