@@ -90,6 +90,12 @@ class QuantizationConfig:
     def __init__(self, skipped_modules: list[str] | tuple[str, ...] = ()):
         self.skipped_modules = tuple(skipped_modules)
 
+    def __eq__(self, other) -> bool:
+        """The same format with the same settings (two reads of one config.json are equal)."""
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    __hash__ = None     # settings may be lists: not a key
+
     @classmethod
     def from_config(cls, quantization_config: dict) -> "QuantizationConfig":
         """Read config.json's quantization_config; ValueError naming `quantization` for what we cannot run."""
