@@ -59,8 +59,8 @@ def split_k_for(x: torch.Tensor, column_programs: int, k: int, block_k: int) -> 
 def fp8_gemv_ref(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """The torch twin: float32 product of x and the dequantized weight, in x's dtype."""
-    w = w_q.float() * w_s.float().repeat_interleave(group_size, dim=1)[:, :w_q.shape[1]]
-    y = x.float() @ w.T
+    from nanovllm.kernels.fp8_linear import dequantize_ref   # here: fp8_linear imports this module
+    y = x.float() @ dequantize_ref(w_q, w_s, group_size).T
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

@@ -78,18 +78,13 @@ class Fp8Config(QuantizationConfig):
         """Random weights of a block-FP8 config (e.g. configs/qwen3-30b-a3b-fp8.json) as its checkpoint
         stores them; online FP8 takes them as they are."""
         if not self.serialized:
-            yield from tensors
-            return
+            return tensors
         if self.weight_block_size != (128, 128):
             raise ValueError("quantization: random fp8 weights are written in the [128, 128] block layout only")
         from nanovllm.utils.fp8_checkpoint import LINEAR_WEIGHT, quantize
-        for name, tensor in tensors:
-            module = name.rsplit(".", 1)[0]
-            if not LINEAR_WEIGHT.search(name) or self.is_skipped(module):     # experts' projections too
-                yield name, tensor
-                continue
-            for key, value in quantize(tensor, "fp8-block")[0].items():
-                yield f"{module}.{key}", value
+        from nanovllm.utils.quantized_checkpoint import quantized_tensors
+        return quantized_tensors(tensors, lambda name, w: None if self.is_skipped(name.rsplit(".", 1)[0])
+                                 else quantize(w, "fp8-block")[0], LINEAR_WEIGHT)     # experts' projections too
 
     def describe(self) -> str:
         if not self.serialized:

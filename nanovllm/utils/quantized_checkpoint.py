@@ -133,11 +133,13 @@ def write_dequantized_checkpoint(source: str, target: str) -> str:
     return _save(source, target, config, out)
 
 
-def quantized_tensors(tensors: Iterable[tuple[str, torch.Tensor]], quantize) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of a 16/32-bit checkpoint -> the quantized checkpoint's: each quantizable linear
-    weight replaced by what quantize(name, weight) returns (None: kept), the rest as they are."""
+def quantized_tensors(tensors: Iterable[tuple[str, torch.Tensor]], quantize,
+                      quantizable: re.Pattern = QUANTIZABLE) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a 16/32-bit checkpoint -> the quantized checkpoint's: each weight whose name
+    matches `quantizable` (by default the layers' linear weights, experts aside) replaced by what
+    quantize(name, weight) returns (None: kept), the rest as they are."""
     for name, tensor in tensors:
-        packed = quantize(name, tensor) if QUANTIZABLE.search(name) else None
+        packed = quantize(name, tensor) if quantizable.search(name) else None
         if packed is None:
             yield name, tensor
             continue
