@@ -15,6 +15,11 @@ overflow the L2 cache, so every call reads its weights from memory, as in a deco
     PYTHONPATH=. python scripts/int_gemm_bench.py --sweep      # every candidate launch shape too
     PYTHONPATH=. python scripts/int_gemm_bench.py --gemv       # the GEMVs at M = 1, 2, 4, 8, 16
     PYTHONPATH=. python scripts/int_gemm_bench.py --gemv --sweep --batch 1 16   # their launch shapes too
+    PYTHONPATH=. python scripts/int_gemm_bench.py --w8a8       # float8 GEMMs at decode batch sizes
+
+With --w8a8, the float8 GEMM fp8_linear runs after quantizing the activations (fp8_gemm: the
+transposed Triton kernel on decode_tile's tiles up to 256 rows) against torch._scaled_mm with
+row-wise scales and the plain Triton kernel, for per-channel and block [128, 128] weights.
 """
 import argparse
 import json
@@ -26,8 +31,7 @@ import torch.nn.functional as F
 from nanovllm.kernels import fp8_gemv as fp8_gemv_module
 from nanovllm.kernels.fp8 import FP8_DTYPE
 from nanovllm.kernels.fp8_gemv import GemvConfig, fp8_gemv, fp8_gemv_ref
-from nanovllm.kernels.fp8_linear import (SCALED_MM_PER_CHANNEL, fp8_matmul, quantize_activation,
-                                         scaled_mm_per_channel)
+from nanovllm.kernels.fp8_linear import fp8_gemm, fp8_matmul, quantize_activation, scaled_mm_per_channel
 from nanovllm.kernels.int_gemm import DECODE_CONFIG, PREFILL_CONFIG, LaunchConfig, int_gemm, int_gemm_ref
 from nanovllm.quantization.int_packing import awq_for_gemm, dequantize_awq
 from nanovllm.utils.quantized_checkpoint import quantize_awq
@@ -115,9 +119,7 @@ def random_fp8_layer(k: int, n: int, group_size: int | None) -> tuple[torch.Tens
 def w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, group_size: int) -> torch.Tensor:
     """The float8 path of fp8_linear without the GEMV: quantize the activations, then the GEMM."""
     x_q, x_s = quantize_activation(x, group_size)
-    if s.shape[1] == 1 and SCALED_MM_PER_CHANNEL:
-        return scaled_mm_per_channel(x_q, x_s, w, s, x.dtype)
-    return fp8_matmul(x_q, x_s, w, s, group_size, x.dtype)
+    return fp8_gemm(x_q, x_s, w, s, group_size, x.dtype)
 
 
 def check_gemv() -> None:
@@ -183,6 +185,37 @@ def gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> Non
           f"PROGRAMS_PER_SM {fp8_gemv_module.PROGRAMS_PER_SM}; GEMV_MAX_ROWS {fp8_gemv_module.GEMV_MAX_ROWS}")
 
 
+def w8a8_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> None:
+    """fp8_gemm (what fp8_linear runs after quantizing) against the routes it chooses between."""
+    totals = {}
+    print(f"{'format':12} {'layer':13} {'M':>4} {'fp8_gemm us':>11} {'TB/s':>5} {'_scaled_mm us':>13} "
+          f"{'Triton us':>9} {'quantize us':>11}")
+    for name, (k, n) in shapes.items():
+        for fmt, group in (("fp8 channel", None), ("fp8 block", 128)):
+            layers = [random_fp8_layer(k, n, group) for _ in range(max(2, min(32, math.ceil(4 * L2_BYTES / (n * k)))))]
+            g = group or k
+            for m in args.batch:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                x_q, x_s = quantize_activation(x, g)
+                t = {"gemm": graph_time([lambda l=l: fp8_gemm(x_q, x_s, l[0], l[1], g, x.dtype) for l in layers]),
+                     "triton": graph_time([lambda l=l: fp8_matmul(x_q, x_s, l[0], l[1], g, x.dtype) for l in layers]),
+                     "quantize": graph_time([lambda: quantize_activation(x, g)] * 8)}
+                if group is None:
+                    t["scaled_mm"] = graph_time([lambda l=l: scaled_mm_per_channel(x_q, x_s, l[0], l[1], x.dtype)
+                                                 for l in layers])
+                for key, v in t.items():
+                    totals.setdefault((fmt, m), {}).setdefault(key, 0.0)
+                    totals[(fmt, m)][key] += v
+                scaled = f"{t['scaled_mm'] * 1e6:13.1f}" if "scaled_mm" in t else f"{'':13}"
+                print(f"{fmt:12} {name:13} {m:4d} {t['gemm'] * 1e6:11.1f} {n * k / t['gemm'] / 1e12:5.2f} {scaled} "
+                      f"{t['triton'] * 1e6:9.1f} {t['quantize'] * 1e6:11.1f}", flush=True)
+            del layers
+            torch.cuda.empty_cache()
+    for (fmt, m), t in sorted(totals.items()):
+        print(f"{fmt:12} M={m:<4d} four projections x{num_layers} layers (ms): "
+              + ", ".join(f"{key} {v * num_layers * 1e3:.2f}" for key, v in t.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/qwen3-8b.json")
@@ -192,7 +225,14 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time every candidate launch shape too")
     parser.add_argument("--gemv", action="store_true", help="the few-row GEMVs against the paths before them and bf16")
     parser.add_argument("--programs-per-sm", type=int, help="the GEMVs' split-K target (PROGRAMS_PER_SM)")
+    parser.add_argument("--w8a8", action="store_true", help="float8 GEMMs (quantized activations) at decode sizes")
     args = parser.parse_args()
+    if args.w8a8:
+        args.batch = args.batch or [16, 32, 64, 96, 128, 160, 192, 224, 256, 512]
+        with open(args.config) as f:
+            model = json.load(f)
+        w8a8_table(args, projections(model), model["num_hidden_layers"])
+        return
     if args.programs_per_sm:
         fp8_gemv_module.PROGRAMS_PER_SM = args.programs_per_sm
     if args.gemv:

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX
-from nanovllm.kernels.fp8_linear import (dequantize_ref, fp8_matmul, fp8_matmul_ref, quantize_activation,
-                                         quantize_activation_ref)
+from nanovllm.kernels.fp8_linear import (decode_tile, dequantize_ref, fp8_linear, fp8_matmul, fp8_matmul_ref,
+                                         fp8_matmul_swapped, quantize_activation, quantize_activation_ref)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16] if DEVICE == "cuda" else [torch.float32, torch.float16]
@@ -81,3 +81,66 @@ def test_twin_equals_the_float_product_of_the_dequantized_operands():
                    * w_s[None, :, i // 128].double() for i in (0, 128))
     torch.testing.assert_close(fp8_matmul_ref(x_q, x_s, w_q, w_s, 128, torch.float32), expected.float(),
                                rtol=1e-5, atol=1e-5)
+
+
+def gemm_case(dtype, m, n, k, group, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * 2).to(dtype).to(DEVICE)
+    w_q, w_s = weight(n, k, group, g)
+    b = (torch.randn(n, generator=g)).to(dtype).to(DEVICE) if bias else None
+    return x, w_q, w_s, b
+
+
+def assert_close_to_twin(y, y_ref):
+    tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[y_ref.dtype]
+    assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=tol, atol=tol * y_ref.float().abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, n, k, group, bias, tile", [
+    (5, 96, 256, 256, False, (32, 16, 64, 4, 2, 1)),      # per-channel, partial tiles of tokens and features
+    (37, 100, 384, 128, True, (32, 16, 64, 4, 2, 2)),     # block scales, K split in two: the bias added once
+    (20, 64, 512, 512, True, (64, 32, 128, 4, 2, 3)),     # per-channel, three K splits (the last one short)
+    (9, 48, 320, 128, False, (16, 16, 256, 4, 2, 1)),     # K step larger than the group: it steps by groups
+])
+def test_swapped_gemm_matches_twin(dtype, m, n, k, group, bias, tile):
+    x, w_q, w_s, b = gemm_case(dtype, m, n, k, group, bias, m + n + k)
+    x_q, x_s = quantize_activation_ref(x, group)
+    y = fp8_matmul_swapped(x_q, x_s, w_q, w_s, group, dtype, b, tile)
+    assert_close_to_twin(y, fp8_matmul_ref(x_q, x_s, w_q, w_s, group, dtype, b))
+
+
+@pytest.mark.parametrize("m, n, group", [
+    (40, 512, 128),     # one wave of 64-feature programs over 64 tokens
+    (128, 256, 128),    # a grid of half a wave at 128 tokens: 64 tokens a program
+    (100, 1024, 128),   # 128 features a program keep it to one wave
+    (128, 2048, 256),   # several waves: three stages
+    (200, 2048, 128),   # several waves past 128 tokens: 256 tokens a program (block scales)
+])
+def test_every_decode_tile_matches_twin(m, n, group):
+    """Each branch of decode_tile (an 8-SM grid makes the small shapes take them) runs the twin's math."""
+    dtype = DTYPES[0]
+    tile = decode_tile(m, n, 8, per_group=group < 256)
+    assert tile is not None
+    x, w_q, w_s, _ = gemm_case(dtype, m, n, 256, group, False, m * n)
+    x_q, x_s = quantize_activation_ref(x, group)
+    assert_close_to_twin(fp8_matmul_swapped(x_q, x_s, w_q, w_s, group, dtype, None, tile),
+                         fp8_matmul_ref(x_q, x_s, w_q, w_s, group, dtype))
+
+
+def test_decode_tile_hands_large_batches_and_multiwave_per_channel_grids_on():
+    assert decode_tile(257, 4096, 132, per_group=False) is None          # prefill-sized: the other GEMMs
+    assert decode_tile(256, 24576, 132, per_group=False) is None         # gate_up at 256 tokens: cuBLASLt
+    assert decode_tile(256, 24576, 132, per_group=True) == (64, 256, 128, 8, 5, 1)
+    assert decode_tile(64, 4096, 132, per_group=False) == (64, 64, 128, 4, 5, 1)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA dispatch of fp8_linear (the CPU runs the twins)")
+@pytest.mark.parametrize("m", [2, 16, 48, 64, 100, 128, 192, 256, 300])
+@pytest.mark.parametrize("n, group", [(6144, 1024), (4096, 1024), (24576, 1024), (6144, 128)])
+def test_fp8_linear_on_cuda_matches_twin_at_decode_sizes(m, n, group):
+    x, w_q, w_s, b = gemm_case(torch.bfloat16, m, n, 1024, group, True, m + n)
+    x_q, x_s = quantize_activation_ref(x, group)
+    assert_close_to_twin(fp8_linear(x, w_q, w_s, group, bias=b), fp8_matmul_ref(x_q, x_s, w_q, w_s, group,
+                                                                                 torch.bfloat16, b))

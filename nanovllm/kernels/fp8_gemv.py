@@ -37,8 +37,9 @@ class GemvConfig(NamedTuple):
     num_stages: int
 
 
-# One row: 8 rows x 512 bytes per step (16-byte loads); more rows: the 16x16 matrix-core tile.
-ONE_ROW_CONFIG = GemvConfig(8, 512, 4, 4)
+# One row: 4 rows x 1024 bytes per step (16-byte loads; the best or within 1% of it for each 8B
+# projection on one H100, docs/benchmarks.md); more rows: the 16x16 matrix-core tile.
+ONE_ROW_CONFIG = GemvConfig(4, 1024, 4, 3)
 FEW_ROWS_CONFIG = GemvConfig(16, 256, 4, 4)
 
 
@@ -47,13 +48,16 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def sm_count(device: torch.device) -> int:
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def split_k_for(x: torch.Tensor, column_programs: int, k: int, block_k: int) -> int:
     """How many programs share each output tile's K range so the grid fills the GPU."""
     if not x.is_cuda:
         return 1 if column_programs >= 8 else min(2, triton.cdiv(k, block_k))   # the interpreter: exercise both
-    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     # rounded down: a split costs two small kernels (zeroing the float32 sums, then casting them)
-    return max(1, min(PROGRAMS_PER_SM * _sm_count(device) // column_programs, triton.cdiv(k, block_k)))
+    return max(1, min(PROGRAMS_PER_SM * sm_count(x.device) // column_programs, triton.cdiv(k, block_k)))
 
 
 def fp8_gemv_ref(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,

@@ -13,13 +13,14 @@ The GEMM sums each group's float8 products in float32 and scales them by a_s[m, 
     y[m, n] = sum_g a_s[m, g] * w_s[n, g] * sum_{k in g} x_q[m, k] * w_q[n, k]
 `quantize_activation_ref` and `fp8_matmul_ref` are the torch twins (dequantize, then a float32
 matmul); they are also the CPU path. On Hopper the per-channel case may go to torch._scaled_mm
-(cuBLASLt, row-wise scales) instead of the Triton kernel: `SCALED_MM_PER_CHANNEL` says which,
-as measured (docs/benchmarks.md, quantized weights).
+(CUTLASS/cuBLASLt, row-wise scales) instead of the Triton kernel: `SCALED_MM_PER_CHANNEL` says
+which, as measured (docs/benchmarks.md, quantized weights). Decode batches (up to 256 tokens) run
+the Triton kernel transposed, `fp8_matmul_swapped`, on the tiles `decode_tile` picks.
 """
 import torch
 
 from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX
-from nanovllm.kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv
+from nanovllm.kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv, sm_count
 from nanovllm.kernels.triton_compat import cuda_major_capability, pdl_launch, tl, triton, wait_for_previous_kernel
 
 # the smallest activation scale: a token of zeros quantizes to zeros instead of dividing by zero
@@ -29,6 +30,8 @@ ACT_SCALE_FLOOR = 1e-12
 # most batch sizes (gate_up M=4096: 678 us against 754, bf16 1,191); bench.py with the 8B shape,
 # online FP8 and FP8 KV: 10,998 tok/s with it, 9,967 with the Triton kernel.
 SCALED_MM_PER_CHANNEL = True
+# The transposed GEMM serves products of at most this many tokens (decode batches); see decode_tile.
+SWAPPED_MAX_ROWS = 256
 
 
 def num_groups(k: int, group_size: int) -> int:
@@ -146,6 +149,96 @@ def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K,
              mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _fp8_gemm_swap_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K, NUM_GROUPS, GROUP, K_PER_SPLIT,
+                          HAS_BIAS: tl.constexpr, PER_GROUP: tl.constexpr, SPLIT: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """out^T = w @ a^T: the weight's rows fill the matrix cores' tall side, so a few hundred tokens
+    still make enough programs to keep every SM reading the weight (a 128 x 128 tile of tokens x
+    features gives 64 programs for 4096 features at 256 tokens); K may be split over programs too."""
+    wait_for_previous_kernel(PDL)
+    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok, col_ok = rows < M, cols < N
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        k_ok = k + ks < k_end
+        w = tl.load(w_ptr + cols[:, None] * K + k + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(a_ptr + rows[:, None] * K + k + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if PER_GROUP:
+            g = k // GROUP
+            a_s = tl.load(a_s_ptr + rows * NUM_GROUPS + g, mask=row_ok, other=0.0)
+            w_s = tl.load(w_s_ptr + cols * NUM_GROUPS + g, mask=col_ok, other=0.0)
+            acc += tl.dot(w, tl.trans(a)) * w_s[:, None] * a_s[None, :]
+        else:
+            acc = tl.dot(w, tl.trans(a), acc)
+    if not PER_GROUP:
+        a_s = tl.load(a_s_ptr + rows, mask=row_ok, other=0.0)
+        w_s = tl.load(w_s_ptr + cols, mask=col_ok, other=0.0)
+        acc = acc * w_s[:, None] * a_s[None, :]
+    if HAS_BIAS:    # added once: by the first K split
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc += tl.where(pid_k == 0, bias, 0.0)[:, None]
+    out = out_ptr + rows[None, :] * N + cols[:, None]
+    mask = row_ok[None, :] & col_ok[:, None]
+    if SPLIT:
+        tl.atomic_add(out, acc, mask=mask)
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_matmul_swapped(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
+                       out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                       tile: tuple[int, int, int, int, int, int] = (64, 256, 128, 4, 4, 1)) -> torch.Tensor:
+    """`fp8_matmul` computed as out^T = w @ x^T. tile: (features, tokens, K step, warps, stages,
+    K splits); the K range of a split is a multiple of the K step (and of a per-group GEMM's group)."""
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    groups = w_s.shape[1]
+    per_group = groups > 1
+    block_n, block_m, block_k, warps, stages, split_k = tile
+    if per_group:
+        assert group_size >= 16 and group_size & (group_size - 1) == 0
+        block_k = min(block_k, group_size)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    out = torch.zeros(m, n, dtype=torch.float32, device=x_q.device) if split_k > 1 else \
+        torch.empty(m, n, dtype=out_dtype, device=x_q.device)
+    if m == 0:
+        return out.to(out_dtype)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)
+    _fp8_gemm_swap_kernel[grid](x_q, x_s, w_q, w_s, bias if bias is not None else w_s, out, m, n, k, groups,
+                                group_size, k_per_split, HAS_BIAS=bias is not None, PER_GROUP=per_group,
+                                SPLIT=split_k > 1, BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k,
+                                num_warps=warps, num_stages=stages, **pdl_launch(x_q))
+    return out.to(out_dtype) if split_k > 1 else out
+
+
+def decode_tile(m: int, n: int, sms: int, per_group: bool) -> tuple[int, int, int, int, int, int] | None:
+    """The tile of `fp8_matmul_swapped` for m tokens and n output features on `sms` SMs, or None where
+    the other path is faster. From a sweep of the Qwen3-8B projections at 64-256 tokens on one H100
+    (docs/benchmarks.md): 64 features by 64 or 128 tokens with five stages while the grid fits one
+    wave, 128 features when that keeps it in one wave; grids of several waves (gate_up) want three
+    stages, or 256 tokens a program past 128 tokens, where cuBLASLt's row-wise GEMM wins from 256.
+    Block scales at up to 16 tokens keep fp8_matmul's 16-token tile (4.28 ms against 4.70 for the 8B
+    projections of 36 layers)."""
+    if m > SWAPPED_MAX_ROWS or (per_group and m <= 16):
+        return None
+    programs = lambda block_n, block_m: triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    block_m = 64 if m <= 64 or programs(64, 128) <= sms // 2 else 128
+    if programs(64, block_m) <= sms:
+        return 64, block_m, 128, 4, 5, 1
+    if programs(128, block_m) <= sms:
+        return 128, block_m, 128, 8, 5, 1
+    if m <= 128:
+        return 64, block_m, 128, 4, 3, 1
+    return (64, 256, 128, 8, 5, 1) if per_group or m <= 192 else None
+
+
 def gemm_tile(m: int, group_size: int, per_group: bool) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): short tiles for decode, tall for prefill."""
     block_k = min(128, group_size) if per_group else 128
@@ -196,8 +289,18 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size
         y = fp8_matmul_ref(x_q, x_s, w_q, w_s, group_size, x.dtype, bias)
     else:
         x_q, x_s = quantize_activation(x.contiguous() if x.stride(-1) != 1 else x, group_size, input_scale)
-        if w_s.shape[1] == 1 and SCALED_MM_PER_CHANNEL and cuda_major_capability(x) >= 9 and x.dtype == torch.bfloat16:
-            y = scaled_mm_per_channel(x_q, x_s, w_q, w_s, x.dtype, bias)
-        else:
-            y = fp8_matmul(x_q, x_s, w_q, w_s, group_size, x.dtype, bias)
+        y = fp8_gemm(x_q, x_s, w_q, w_s, group_size, x.dtype, bias)
     return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
+             out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The float8 product on CUDA by the fastest measured route: decode batches transposed, larger
+    per-channel ones through torch._scaled_mm on Hopper in bfloat16, the rest the Triton kernel."""
+    per_group = w_s.shape[1] > 1
+    tile = decode_tile(x_q.shape[0], w_q.shape[0], sm_count(x_q.device), per_group)
+    if tile is not None:
+        return fp8_matmul_swapped(x_q, x_s, w_q, w_s, group_size, out_dtype, bias, tile)
+    if not per_group and SCALED_MM_PER_CHANNEL and cuda_major_capability(x_q) >= 9 and out_dtype == torch.bfloat16:
+        return scaled_mm_per_channel(x_q, x_s, w_q, w_s, out_dtype, bias)
+    return fp8_matmul(x_q, x_s, w_q, w_s, group_size, out_dtype, bias)
