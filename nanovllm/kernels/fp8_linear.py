@@ -16,7 +16,12 @@ matmul); they are also the CPU path. On Hopper the per-channel case may go to to
 (CUTLASS/cuBLASLt, row-wise scales) instead of the Triton kernel: `SCALED_MM_PER_CHANNEL` says
 which, as measured (docs/benchmarks.md, quantized weights). Decode batches (up to 256 tokens) run
 the Triton kernel transposed, `fp8_matmul_swapped`, on the tiles `decode_tile` picks.
+
+The kernel that makes a linear layer's input (RMSNorm, SiLU-and-mul) may quantize it in the same pass
+and hand fp8_linear a `QuantizedActivation` instead (nanovllm/layers/layernorm.py, activation.py).
 """
+from typing import NamedTuple
+
 import torch
 
 from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX
@@ -32,6 +37,20 @@ ACT_SCALE_FLOOR = 1e-12
 SCALED_MM_PER_CHANNEL = True
 # The transposed GEMM serves products of at most this many tokens (decode batches); see decode_tile.
 SWAPPED_MAX_ROWS = 256
+
+
+class QuantizedActivation(NamedTuple):
+    """An activation quantized by the kernel that produced it, as `quantize_activation_ref` would:
+    q [M, K] e4m3, scale [M, G] float32 (the consumer's group size), dtype: the 16-bit dtype it had."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def quantizes_activation(x: torch.Tensor) -> bool:
+    """Whether fp8_linear quantizes x (dynamic scales) rather than sending it to the GEMV: always on
+    the CPU, above GEMV_MAX_ROWS rows on CUDA. Where it does, the producer of x may do it instead."""
+    return not x.is_cuda or x.reshape(-1, x.shape[-1]).shape[0] > GEMV_MAX_ROWS
 
 
 def num_groups(k: int, group_size: int) -> int:
@@ -275,11 +294,16 @@ def scaled_mm_per_channel(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tenso
     return torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=w_s.reshape(1, -1), bias=bias, out_dtype=out_dtype)
 
 
-def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
+def fp8_linear(x: torch.Tensor | QuantizedActivation, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] 16/32-bit -> [..., N] in x's dtype: quantize the activations, then the float8 GEMM.
-    On CUDA, up to GEMV_MAX_ROWS 16-bit rows without a static input scale skip the quantization and
-    stream the weight through fp8_gemv (16-bit activations: see fp8_gemv.py). The CPU runs the twins."""
+    x may come quantized already (a QuantizedActivation [M, K] in this layer's group size): then only
+    the GEMM runs. On CUDA, up to GEMV_MAX_ROWS 16-bit rows without a static input scale skip the
+    quantization and stream the weight through fp8_gemv (16-bit activations: see fp8_gemv.py).
+    The CPU runs the twins."""
+    if isinstance(x, QuantizedActivation):
+        gemm = fp8_gemm if x.q.is_cuda else fp8_matmul_ref
+        return gemm(x.q, x.scale, w_q, w_s, group_size, x.dtype, bias)
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS and input_scale is None and x.dtype != torch.float32:

@@ -1,7 +1,13 @@
-"""SwiGLU's activation: silu(gate) * up, with gate and up side by side in one tensor."""
+"""SwiGLU's activation: silu(gate) * up, with gate and up side by side in one tensor.
+
+`silu_and_mul_quant` writes it quantized to float8 for an FP8 linear layer instead (with its scales,
+per token or per token and group): the bits `quantize_activation_ref` gives for the 16-bit output.
+"""
 import torch
 import torch.nn.functional as F
 
+from nanovllm.kernels.fp8 import FP8_DTYPE
+from nanovllm.kernels.fp8_linear import QuantizedActivation, num_groups, quantize_activation_ref, round_to_e4m3
 from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
 
 
@@ -10,16 +16,50 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def silu_and_mul_quant_ref(x: torch.Tensor, group_size: int) -> QuantizedActivation:
+    """The torch twin of `silu_and_mul_quant`: the 16-bit activation, then its quantization."""
+    out = silu_and_mul_ref(x)
+    return QuantizedActivation(*quantize_activation_ref(out, group_size), out.dtype)
+
+
+@triton.jit
+def _silu_and_mul(x_ptr, row, col, mask, N):
+    """silu(gate) * up of one row's columns `col`, in the input dtype."""
+    gate = tl.load(x_ptr + row * 2 * N + col, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * N + N + col, mask=mask, other=0.0)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)     # round like torch's silu before the product
+    return silu * up
+
+
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < N
-    gate = tl.load(x_ptr + row * 2 * N + col, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * 2 * N + N + col, mask=mask, other=0.0)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)     # round like torch's silu before the product
-    tl.store(out_ptr + row * N + col, silu * up, mask=mask)
+    tl.store(out_ptr + row * N + col, _silu_and_mul(x_ptr, row, col, mask, N), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, N, GROUP, NUM_GROUPS, BLOCK: tl.constexpr,
+                               PDL: tl.constexpr):
+    """One program per row and group: the group's max |value| first, then its float8 codes (the
+    products are computed twice rather than kept: a group may be a whole row)."""
+    wait_for_previous_kernel(PDL)
+    row, group = tl.program_id(0), tl.program_id(1)
+    start = group * GROUP
+    end = tl.minimum(start + GROUP, N)
+    absmax = tl.zeros([BLOCK], dtype=tl.float32)
+    for off in range(start, end, BLOCK):
+        col = off + tl.arange(0, BLOCK)
+        absmax = tl.maximum(absmax, tl.abs(_silu_and_mul(x_ptr, row, col, col < end, N).to(tl.float32)))
+    scale = tl.maximum(tl.max(absmax, axis=0) / 448.0, 1e-12)
+    tl.store(scale_ptr + row * NUM_GROUPS + group, scale)
+    for off in range(start, end, BLOCK):
+        col = off + tl.arange(0, BLOCK)
+        y = _silu_and_mul(x_ptr, row, col, col < end, N).to(tl.float32)
+        q = round_to_e4m3(tl.minimum(tl.maximum(y / scale, -448.0), 448.0))
+        tl.store(q_ptr + row * N + col, q.to(tl.float8e4nv), mask=col < end)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -30,3 +70,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(n))
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(n, block))](x, out, N=n, BLOCK=block, **pdl_launch(x))
     return out
+
+
+def silu_and_mul_quant(x: torch.Tensor, group_size: int) -> QuantizedActivation:
+    """silu_and_mul of x [tokens, 2 * N] quantized to float8 per token and `group_size` columns."""
+    assert x.is_contiguous()
+    num_tokens, n = x.shape[0], x.shape[1] // 2
+    groups = num_groups(n, group_size)
+    q = torch.empty(num_tokens, n, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(num_tokens, groups, dtype=torch.float32, device=x.device)
+    if num_tokens:
+        block = min(1024, triton.next_power_of_2(min(n, group_size)))
+        _silu_and_mul_quant_kernel[(num_tokens, groups)](x, q, scales, n, group_size, groups, BLOCK=block,
+                                                         **pdl_launch(x))
+    return QuantizedActivation(q, scales, x.dtype)

@@ -1,10 +1,23 @@
-"""SwiGLU activation over the merged gate/up projection."""
+"""SwiGLU activation over the merged gate/up projection.
+
+When the layer it feeds is an FP8 layer that quantizes its input per token (or per token and group),
+the model sets `quant_group_size` and the activation comes out quantized (a QuantizedActivation),
+wherever the layer would quantize it (fp8_linear's `quantizes_activation`).
+"""
 import torch
 from torch import nn
 
-from nanovllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+from nanovllm.kernels.fp8_linear import quantizes_activation
+from nanovllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_quant, silu_and_mul_quant_ref, silu_and_mul_ref
 
 
 class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def __init__(self):
+        super().__init__()
+        self.quant_group_size: int | None = None     # None: a 16-bit output
+
+    def forward(self, x: torch.Tensor):
+        if self.quant_group_size is not None and quantizes_activation(x):
+            quantize = silu_and_mul_quant if x.is_cuda else silu_and_mul_quant_ref
+            return quantize(x, self.quant_group_size)
         return silu_and_mul(x) if x.is_cuda else silu_and_mul_ref(x)

@@ -3,7 +3,9 @@
 The model: embedding, N decoder layers, final norm, LM head (its own weights or the embedding's).
 Each decoder layer: RMSNorm -> attention (optional q/k RMSNorm per head, rotary and the KV-cache
 store in one pass, grouped-query attention over the paged cache) -> residual -> RMSNorm -> SwiGLU
-MLP -> residual. The residual adds are fused into the following norm.
+MLP -> residual. The residual adds are fused into the following norm. Where a projection is an FP8
+layer that quantizes its input per token (and group), the norm or SiLU before it writes that input
+in float8 directly (`fuse_input_quantization`): the layer skips its own quantization pass.
 
 A family file subclasses `CausalLM` and states what its config.json means (see the class).
 """
@@ -14,10 +16,16 @@ from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary import RotaryEmbedding
 from nanovllm.models.model_config import ModelConfig
 from nanovllm.quantization.base import QuantizationConfig
+
+
+def fuse_input_quantization(producer: nn.Module, consumer: LinearBase) -> None:
+    """Let `producer` (RMSNorm or SiluAndMul, whose output is the consumer's whole input) quantize
+    its output the way the consumer's FP8 method would; nothing changes for other methods."""
+    producer.quant_group_size = consumer.quant_method.fused_input_group_size(consumer)
 
 
 def mlp_prefix(layer_index: int) -> str:
@@ -42,7 +50,8 @@ class SelfAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, scale=head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states).view(hidden_states.shape[0], -1, self.head_dim)
+        qkv = self.qkv_proj(hidden_states)
+        qkv = qkv.view(qkv.shape[0], -1, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm, kv_store=self.attn.kv_store(v))
         return self.o_proj(self.attn(q, k, v))
@@ -59,6 +68,7 @@ class GatedMLP(nn.Module):
         self.act_fn = SiluAndMul()
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, quant_config=quant_config,
                                            prefix=f"{prefix}.down_proj")
+        fuse_input_quantization(self.act_fn, self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -71,6 +81,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = SelfAttention(config, rotary_emb, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = mlp
+        fuse_input_quantization(self.input_layernorm, self.self_attn.qkv_proj)
+        if isinstance(mlp, GatedMLP):       # a mixture of experts takes its input 16-bit
+            fuse_input_quantization(self.post_attention_layernorm, mlp.gate_up_proj)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

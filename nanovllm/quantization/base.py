@@ -23,6 +23,9 @@ and input features this rank keeps. How those features are stored and multiplied
 3. `apply(layer, x, bias)` multiplies: x [tokens, input_size] -> [tokens, sum(output_sizes)] in
    x's dtype, plus the bias when given. Row-parallel layers all-reduce after it; the bias is added
    by the layer after the reduce, so `apply` gets bias=None there.
+4. `fused_input_group_size(layer)`: formats that quantize the input to float8 per token (and group)
+   give the group size, and `apply` then also takes the input already quantized (a
+   QuantizedActivation, from the RMSNorm or SiLU-and-mul before the layer); None: the input stays 16-bit.
 
 A `QuantizationConfig` is read from config.json's `quantization_config` (`from_config`), states
 which layers stay 16-bit (`is_skipped`: an ignore list of module names, dotted suffixes or
@@ -71,6 +74,9 @@ class LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
+
+    def fused_input_group_size(self, layer: nn.Module) -> int | None:
+        return None
 
 
 class UnquantizedLinearMethod(LinearMethod):

@@ -142,6 +142,9 @@ class Fp8BlockLinearMethod(LinearMethod):
     def apply(self, layer, x, bias=None):
         return fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.fp8_group_size, bias=bias)
 
+    def fused_input_group_size(self, layer):
+        return layer.fp8_group_size
+
 
 class Fp8TensorLinearMethod(LinearMethod):
     """One scale per checkpoint tensor (per part of a merged matrix), folded into per-row scales."""
@@ -163,8 +166,11 @@ class Fp8TensorLinearMethod(LinearMethod):
             layer.input_scale = nn.Parameter(layer.input_scale.data.amax().reshape(1), requires_grad=False)
 
     def apply(self, layer, x, bias=None):
-        return fp8_linear(x, layer.weight, layer.weight_scale, x.shape[-1],
+        return fp8_linear(x, layer.weight, layer.weight_scale, layer.input_size,
                           input_scale=layer.input_scale if self.static_input else None, bias=bias)
+
+    def fused_input_group_size(self, layer):
+        return None if self.static_input else layer.input_size
 
 
 class Fp8ChannelLinearMethod(LinearMethod):
@@ -175,7 +181,10 @@ class Fp8ChannelLinearMethod(LinearMethod):
         layer.weight_scale = shard_param(torch.empty(sum(output_sizes), 1, dtype=torch.float32), output_dim=0)
 
     def apply(self, layer, x, bias=None):
-        return fp8_linear(x, layer.weight, layer.weight_scale, x.shape[-1], bias=bias)
+        return fp8_linear(x, layer.weight, layer.weight_scale, layer.input_size, bias=bias)
+
+    def fused_input_group_size(self, layer):
+        return layer.input_size
 
 
 def quantize_weight_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
