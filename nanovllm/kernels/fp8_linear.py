@@ -50,7 +50,7 @@ class QuantizedActivation(NamedTuple):
 def quantizes_activation(x: torch.Tensor) -> bool:
     """Whether fp8_linear quantizes x (dynamic scales) rather than sending it to the GEMV: always on
     the CPU, above GEMV_MAX_ROWS rows on CUDA. Where it does, the producer of x may do it instead."""
-    return not x.is_cuda or x.reshape(-1, x.shape[-1]).shape[0] > GEMV_MAX_ROWS
+    return not x.is_cuda or x.shape[:-1].numel() > GEMV_MAX_ROWS
 
 
 def num_groups(k: int, group_size: int) -> int:
