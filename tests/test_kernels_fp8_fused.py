@@ -39,7 +39,11 @@ def poison_fresh_tensors(monkeypatch):
 
     def poisoned_empty(*args, **kwargs):
         t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
+        if t.dtype == FP8_DTYPE:
+            t.view(torch.uint8).fill_(0x7F)      # e4m3fn's NaN
+        elif t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
 
     monkeypatch.setattr(torch, "empty", poisoned_empty)
 
