@@ -2,12 +2,16 @@
 (nanovllm/models/blocks.py, fuse_input_quantization): the engine gives the same greedy tokens and
 the same logits, bit for bit, as with every layer quantizing its own input, in each FP8 layout.
 
-The fusion is turned off by clearing the producers' `quant_group_size` on a built model, which is
-the unfused composition: the norm's 16-bit output, then fp8_linear's own quantization.
+The fusion is turned off by building the model with fuse_input_quantization doing nothing (before
+any CUDA graph is captured), which is the unfused composition: the norm's 16-bit output, then
+fp8_linear's own quantization.
 """
+import gc
+
 import pytest
 import torch
 
+import nanovllm.models.blocks as blocks
 import nanovllm.quantization.fp8 as fp8_methods
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import Sequence
@@ -80,16 +84,20 @@ def step_logits(llm: LLM) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run(path: str, fused: bool, **engine_args) -> tuple[dict, list[list[int]], tuple[torch.Tensor, torch.Tensor]]:
-    """Producers' group sizes as built, greedy tokens, step logits; with the fusion turned off if not `fused`."""
-    with LLM(path, kvcache_block_size=16, **engine_args) as llm:
+    """Producers' group sizes as built, greedy tokens, step logits; the model built unfused if not `fused`."""
+    with pytest.MonkeyPatch.context() as patch:
+        if not fused:
+            patch.setattr(blocks, "fuse_input_quantization", lambda producer, consumer: None)
+        llm = LLM(path, kvcache_block_size=16, **engine_args)
+    with llm:
         modules = dict(llm.model_runner.model.named_modules())
         groups = {name: modules[name].quant_group_size for name in PRODUCERS + ("model.norm",) if name in modules}
-        if not fused:
-            for module in modules.values():
-                if isinstance(module, (RMSNorm, SiluAndMul)):
-                    module.quant_group_size = None
         tokens = [out["token_ids"] for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         logits = step_logits(llm)
+    del llm, modules
+    gc.collect()            # the next engine sizes its KV pool from the free device memory
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return groups, tokens, logits
 
 
@@ -107,7 +115,9 @@ def test_fused_quantization_changes_no_bit(checkpoints, linear_inputs, case):
     else:
         assert carried == 0
     linear_inputs.clear()
-    _, unfused_tokens, (unfused_prefill, unfused_decode) = run(checkpoints[case], fused=False, **engine_args)
+    unfused_groups, unfused_tokens, (unfused_prefill, unfused_decode) = run(checkpoints[case], fused=False,
+                                                                            **engine_args)
+    assert set(unfused_groups.values()) == {None}
     assert not any(isinstance(x, QuantizedActivation) for x in linear_inputs) and linear_inputs
     assert tokens == unfused_tokens
     assert torch.equal(prefill, unfused_prefill) and torch.equal(decode, unfused_decode)
