@@ -96,6 +96,17 @@ def round_to_e4m3(x):
 
 
 @triton.jit
+def quantize_groups(y, ROWS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """y [ROWS, BLOCK] float32 -> (e4m3 values [ROWS, BLOCK] in float32, scales [ROWS, BLOCK // GROUP]):
+    quantize_activation_ref's math over groups of GROUP columns held in registers, for the kernel
+    that produces an activation to quantize it in its own pass (rms_norm.py, silu_and_mul.py)."""
+    groups = tl.reshape(y, [ROWS, BLOCK // GROUP, GROUP])
+    scale = tl.maximum(tl.max(tl.abs(groups), 2) / 448.0, 1e-12)
+    q = round_to_e4m3(tl.minimum(tl.maximum(groups / scale[:, :, None], -448.0), 448.0))
+    return tl.reshape(q, [ROWS, BLOCK]), scale
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, GROUP, NUM_GROUPS,
                      STATIC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)

@@ -8,7 +8,7 @@ per token or per token and group): the bits `quantize_activation_ref` gives for 
 import torch
 
 from nanovllm.kernels.fp8 import FP8_DTYPE
-from nanovllm.kernels.fp8_linear import QuantizedActivation, num_groups, quantize_activation_ref, round_to_e4m3
+from nanovllm.kernels.fp8_linear import QuantizedActivation, num_groups, quantize_activation_ref, quantize_groups
 from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
 
 
@@ -55,10 +55,8 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, scale_ptr, eps, n
     if QUANT_GROUP == 0:
         tl.store(out_ptr + own_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
     else:   # float8 out, one scale per row and QUANT_GROUP columns (the padding columns are zeros)
-        groups = tl.reshape(out.to(x.dtype).to(tl.float32), [ROWS, BLOCK // QUANT_GROUP, QUANT_GROUP])
-        scale = tl.maximum(tl.max(tl.abs(groups), 2) / 448.0, 1e-12)
-        q = round_to_e4m3(tl.minimum(tl.maximum(groups / scale[:, :, None], -448.0), 448.0))
-        tl.store(out_ptr + own_offs, tl.reshape(q, [ROWS, BLOCK]).to(tl.float8e4nv), mask=mask)
+        q, scale = quantize_groups(out.to(x.dtype).to(tl.float32), ROWS, BLOCK, QUANT_GROUP)
+        tl.store(out_ptr + own_offs, q.to(tl.float8e4nv), mask=mask)
         group_ids = tl.arange(0, BLOCK // QUANT_GROUP)
         tl.store(scale_ptr + rows[:, None] * NUM_GROUPS + group_ids[None, :], scale,
                  mask=(rows < num_rows)[:, None] & (group_ids < NUM_GROUPS)[None, :])

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels.fp8 import FP8_DTYPE
-from nanovllm.kernels.fp8_linear import QuantizedActivation, num_groups, quantize_activation_ref, round_to_e4m3
+from nanovllm.kernels.fp8_linear import QuantizedActivation, num_groups, quantize_activation_ref, quantize_groups
 from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
 
 
@@ -41,25 +41,19 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr, P
 
 
 @triton.jit
-def _silu_and_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, N, GROUP, NUM_GROUPS, BLOCK: tl.constexpr,
+def _silu_and_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, N, NUM_GROUPS, GROUP: tl.constexpr, BLOCK: tl.constexpr,
                                PDL: tl.constexpr):
-    """One program per row and group: the group's max |value| first, then its float8 codes (the
-    products are computed twice rather than kept: a group may be a whole row)."""
+    """One program per row and BLOCK columns (the whole row when quantized per token): BLOCK // GROUP
+    groups quantized in registers."""
     wait_for_previous_kernel(PDL)
-    row, group = tl.program_id(0), tl.program_id(1)
-    start = group * GROUP
-    end = tl.minimum(start + GROUP, N)
-    absmax = tl.zeros([BLOCK], dtype=tl.float32)
-    for off in range(start, end, BLOCK):
-        col = off + tl.arange(0, BLOCK)
-        absmax = tl.maximum(absmax, tl.abs(_silu_and_mul(x_ptr, row, col, col < end, N).to(tl.float32)))
-    scale = tl.maximum(tl.max(absmax, axis=0) / 448.0, 1e-12)
-    tl.store(scale_ptr + row * NUM_GROUPS + group, scale)
-    for off in range(start, end, BLOCK):
-        col = off + tl.arange(0, BLOCK)
-        y = _silu_and_mul(x_ptr, row, col, col < end, N).to(tl.float32)
-        q = round_to_e4m3(tl.minimum(tl.maximum(y / scale, -448.0), 448.0))
-        tl.store(q_ptr + row * N + col, q.to(tl.float8e4nv), mask=col < end)
+    row = tl.program_id(0)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < N
+    y = _silu_and_mul(x_ptr, row, col, mask, N).to(tl.float32)
+    q, scale = quantize_groups(y[None, :], 1, BLOCK, GROUP)
+    tl.store(q_ptr + row * N + col[None, :], q.to(tl.float8e4nv), mask=mask[None, :])
+    group_ids = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
+    tl.store(scale_ptr + row * NUM_GROUPS + group_ids[None, :], scale, mask=(group_ids < NUM_GROUPS)[None, :])
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -73,14 +67,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_quant(x: torch.Tensor, group_size: int) -> QuantizedActivation:
-    """silu_and_mul of x [tokens, 2 * N] quantized to float8 per token and `group_size` columns."""
+    """silu_and_mul of x [tokens, 2 * N] quantized to float8 per token and `group_size` columns (a
+    power of two, or N or more: per token, one program per row)."""
     assert x.is_contiguous()
     num_tokens, n = x.shape[0], x.shape[1] // 2
+    assert group_size >= n or group_size & (group_size - 1) == 0
     groups = num_groups(n, group_size)
     q = torch.empty(num_tokens, n, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(num_tokens, groups, dtype=torch.float32, device=x.device)
     if num_tokens:
-        block = min(1024, triton.next_power_of_2(min(n, group_size)))
-        _silu_and_mul_quant_kernel[(num_tokens, groups)](x, q, scales, n, group_size, groups, BLOCK=block,
-                                                         **pdl_launch(x))
+        if group_size >= n:
+            group = block = triton.next_power_of_2(n)
+        else:
+            group, block = group_size, max(group_size, min(1024, triton.next_power_of_2(n)))
+        _silu_and_mul_quant_kernel[(num_tokens, triton.cdiv(n, block))](
+            x, q, scales, n, groups, GROUP=group, BLOCK=block, num_warps=min(16, max(4, block // 512)),
+            **pdl_launch(x))
     return QuantizedActivation(q, scales, x.dtype)
