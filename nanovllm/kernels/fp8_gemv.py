@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from nanovllm.kernels.triton_compat import pdl_launch, prefetch_to_l2, tl, triton, wait_for_previous_kernel
+from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
 
 # fp8_linear sends products of at most this many rows (and no static input scale) here on CUDA.
 # Measured on one H100 (`scripts/int_gemm_bench.py --gemv`, Qwen3-8B projections, docs/benchmarks.md):
@@ -28,8 +28,6 @@ from nanovllm.kernels.triton_compat import pdl_launch, prefetch_to_l2, tl, trito
 GEMV_MAX_ROWS = 1
 # Split K while the grid has fewer than this many programs per SM (weight streams in flight on every SM).
 PROGRAMS_PER_SM = 4
-# 128-byte lines of each weight row prefetched into L2 before waiting for the previous kernel
-PREFETCH_LINES = 32
 
 
 class GemvConfig(NamedTuple):
@@ -76,20 +74,15 @@ def fp8_gemv_ref(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_si
 def _fp8_gemv_kernel(x_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K, stride_x, NUM_GROUPS, GROUP_SIZE, K_PER_SPLIT,
                      PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_STEP: tl.constexpr, INPUT_PRECISION: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-                     PDL: tl.constexpr):
+                     GROUP_STEP: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K
-    # the first PREFETCH_LINES lines of each weight row start streaming while the kernel before
-    # this one (which writes x) finishes
-    lines = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * 128, k_end - 1)
-    prefetch_to_l2(w_rows + lines[None, :], PDL)
-    wait_for_previous_kernel(PDL)
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
     if BLOCK_M == 1:
         # element-wise products kept per lane, one reduction across K at the end; a step covers
         # BLOCK_K // GROUP_STEP runs of GROUP_STEP columns, each inside one scale group
@@ -172,5 +165,5 @@ def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: 
                            group_size, k_per_split, PER_GROUP=per_group, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_STEP=group_step,
                            INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
-                           PREFETCH_LINES=PREFETCH_LINES, num_warps=num_warps, num_stages=num_stages, **pdl_launch(x))
+                           num_warps=num_warps, num_stages=num_stages, **pdl_launch(x))
     return out.to(x.dtype) if split_k > 1 else out

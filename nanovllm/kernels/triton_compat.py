@@ -54,15 +54,3 @@ def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
 def wait_for_previous_kernel(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
-        # the next kernel may be scheduled now (it waits for this one's results in turn), so its
-        # start-up overlaps this kernel's work instead of following it
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_to_l2(pointers, PDL: tl.constexpr):
-    """Start reading the 128-byte lines at `pointers` into L2 (CUDA only: PTX). A kernel calls this
-    for its weights before wait_for_previous_kernel: weights are never written by the kernel before."""
-    if PDL:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [pointers],
-                                  dtype=tl.int32, is_pure=False, pack=1)
