@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX
-from nanovllm.kernels.fp8_linear import (decode_tile, dequantize_ref, fp8_linear, fp8_matmul, fp8_matmul_ref,
-                                         fp8_matmul_swapped, quantize_activation, quantize_activation_ref)
+from nanovllm.kernels.fp8_linear import (GemmTile, decode_tile, dequantize_ref, fp8_linear, fp8_matmul,
+                                         fp8_matmul_ref, quantize_activation, quantize_activation_ref)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16] if DEVICE == "cuda" else [torch.float32, torch.float16]
@@ -99,15 +99,16 @@ def assert_close_to_twin(y, y_ref):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m, n, k, group, bias, tile", [
-    (5, 96, 256, 256, False, (32, 16, 64, 4, 2, 1)),      # per-channel, partial tiles of tokens and features
-    (37, 100, 384, 128, True, (32, 16, 64, 4, 2, 2)),     # block scales, K split in two: the bias added once
-    (20, 64, 512, 512, True, (64, 32, 128, 4, 2, 3)),     # per-channel, three K splits (the last one short)
-    (9, 48, 320, 128, False, (16, 16, 256, 4, 2, 1)),     # K step larger than the group: it steps by groups
+    (5, 96, 256, 256, False, GemmTile(16, 32, 64, 4, 2, 1, True)),    # per-channel, partial tiles
+    (37, 100, 384, 128, True, GemmTile(16, 32, 64, 4, 2, 2, True)),   # block scales, K split in two: bias added once
+    (20, 64, 512, 512, True, GemmTile(32, 64, 128, 4, 2, 3, True)),   # per-channel, three K splits (the last short)
+    (9, 48, 320, 128, False, GemmTile(16, 16, 256, 4, 2, 1, True)),   # K step larger than the group: steps by groups
+    (21, 80, 384, 128, True, GemmTile(16, 32, 128, 4, 2, 2, False)),  # not swapped, K split: the same kernel
 ])
-def test_swapped_gemm_matches_twin(dtype, m, n, k, group, bias, tile):
+def test_tiles_match_twin(dtype, m, n, k, group, bias, tile):
     x, w_q, w_s, b = gemm_case(dtype, m, n, k, group, bias, m + n + k)
     x_q, x_s = quantize_activation_ref(x, group)
-    y = fp8_matmul_swapped(x_q, x_s, w_q, w_s, group, dtype, b, tile)
+    y = fp8_matmul(x_q, x_s, w_q, w_s, group, dtype, b, tile)
     assert_close_to_twin(y, fp8_matmul_ref(x_q, x_s, w_q, w_s, group, dtype, b))
 
 
@@ -125,15 +126,16 @@ def test_every_decode_tile_matches_twin(m, n, group):
     assert tile is not None
     x, w_q, w_s, _ = gemm_case(dtype, m, n, 256, group, False, m * n)
     x_q, x_s = quantize_activation_ref(x, group)
-    assert_close_to_twin(fp8_matmul_swapped(x_q, x_s, w_q, w_s, group, dtype, None, tile),
+    assert_close_to_twin(fp8_matmul(x_q, x_s, w_q, w_s, group, dtype, None, tile),
                          fp8_matmul_ref(x_q, x_s, w_q, w_s, group, dtype))
 
 
 def test_decode_tile_hands_large_batches_and_multiwave_per_channel_grids_on():
     assert decode_tile(257, 4096, 132, per_group=False) is None          # prefill-sized: the other GEMMs
     assert decode_tile(256, 24576, 132, per_group=False) is None         # gate_up at 256 tokens: cuBLASLt
-    assert decode_tile(256, 24576, 132, per_group=True) == (64, 256, 128, 8, 5, 1)
-    assert decode_tile(64, 4096, 132, per_group=False) == (64, 64, 128, 4, 5, 1)
+    assert decode_tile(256, 24576, 132, per_group=True) == GemmTile(256, 64, 128, 8, 5, 1, True)
+    assert decode_tile(64, 4096, 132, per_group=False) == GemmTile(64, 64, 128, 4, 5, 1, True)
+    assert decode_tile(16, 4096, 132, per_group=True) is None            # block scales, few tokens: gemm_tile
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA dispatch of fp8_linear (the CPU runs the twins)")

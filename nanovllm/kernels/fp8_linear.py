@@ -15,7 +15,7 @@ The GEMM sums each group's float8 products in float32 and scales them by a_s[m, 
 matmul); they are also the CPU path. On Hopper the per-channel case may go to torch._scaled_mm
 (CUTLASS/cuBLASLt, row-wise scales) instead of the Triton kernel: `SCALED_MM_PER_CHANNEL` says
 which, as measured (docs/benchmarks.md, quantized weights). Decode batches (up to 256 tokens) run
-the Triton kernel transposed, `fp8_matmul_swapped`, on the tiles `decode_tile` picks.
+the Triton kernel transposed, on the tiles `decode_tile` picks.
 
 The kernel that makes a linear layer's input (RMSNorm, SiLU-and-mul) may quantize it in the same pass
 and hand fp8_linear a `QuantizedActivation` instead (nanovllm/layers/layernorm.py, activation.py).
@@ -147,92 +147,123 @@ def quantize_activation(x: torch.Tensor, group_size: int,
     return x_q, scales
 
 
+class GemmTile(NamedTuple):
+    block_m: int            # tokens per program
+    block_n: int            # output features per program
+    block_k: int            # input columns per step (a divisor of the group with per-group scales)
+    num_warps: int
+    num_stages: int
+    split_k: int = 1        # programs sharing one tile's K range (float32 partial sums, atomic adds)
+    swapped: bool = False   # computed as out^T = w @ x^T
+
+
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K, NUM_GROUPS, GROUP,
-                     HAS_BIAS: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _tile_product(a, w, acc, SWAPPED: tl.constexpr):
+    """a [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] transposed, into acc, or transposed when SWAPPED."""
+    if SWAPPED:
+        return tl.dot(w, tl.trans(a), acc)
+    return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
+def _outer(a_s, w_s, SWAPPED: tl.constexpr):
+    if SWAPPED:
+        return w_s[:, None] * a_s[None, :]
+    return a_s[:, None] * w_s[None, :]
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K, NUM_GROUPS, GROUP, K_PER_SPLIT,
+                     HAS_BIAS: tl.constexpr, PER_GROUP: tl.constexpr, SPLIT: tl.constexpr, SWAPPED: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """One tile of tokens x output features over one K range. SWAPPED: the tile is computed as
+    out^T = w @ a^T, so the weight's rows fill the matrix cores' tall side and a decode batch still
+    makes enough programs to keep every SM reading the weight (a 128 x 128 tile of tokens x features
+    gives 64 programs for 4096 features at 256 tokens); its programs walk the features first."""
     wait_for_previous_kernel(PDL)
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if SWAPPED:
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_ok, col_ok = rows < M, cols < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_ok = k + ks < K
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    for k in range(k_start, k_end, BLOCK_K):
+        k_ok = k + ks < k_end
         a = tl.load(a_ptr + rows[:, None] * K + k + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + cols[:, None] * K + k + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if PER_GROUP:   # BLOCK_K divides the group: scale each step's products by its group's scales
             g = k // GROUP
             a_s = tl.load(a_s_ptr + rows * NUM_GROUPS + g, mask=row_ok, other=0.0)
             w_s = tl.load(w_s_ptr + cols * NUM_GROUPS + g, mask=col_ok, other=0.0)
-            acc += tl.dot(a, tl.trans(w)) * a_s[:, None] * w_s[None, :]
+            acc += _tile_product(a, w, None, SWAPPED) * _outer(a_s, w_s, SWAPPED)
         else:
-            acc = tl.dot(a, tl.trans(w), acc)
+            acc = _tile_product(a, w, acc, SWAPPED)
+    if SWAPPED:
+        acc = tl.trans(acc)
     if not PER_GROUP:
-        a_s = tl.load(a_s_ptr + rows, mask=row_ok, other=0.0)
-        w_s = tl.load(w_s_ptr + cols, mask=col_ok, other=0.0)
-        acc = acc * a_s[:, None] * w_s[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _fp8_gemm_swap_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K, NUM_GROUPS, GROUP, K_PER_SPLIT,
-                          HAS_BIAS: tl.constexpr, PER_GROUP: tl.constexpr, SPLIT: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """out^T = w @ a^T: the weight's rows fill the matrix cores' tall side, so a few hundred tokens
-    still make enough programs to keep every SM reading the weight (a 128 x 128 tile of tokens x
-    features gives 64 programs for 4096 features at 256 tokens); K may be split over programs too."""
-    wait_for_previous_kernel(PDL)
-    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    ks = tl.arange(0, BLOCK_K)
-    row_ok, col_ok = rows < M, cols < N
-    k_start = pid_k * K_PER_SPLIT
-    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
-        k_ok = k + ks < k_end
-        w = tl.load(w_ptr + cols[:, None] * K + k + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        a = tl.load(a_ptr + rows[:, None] * K + k + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if PER_GROUP:
-            g = k // GROUP
-            a_s = tl.load(a_s_ptr + rows * NUM_GROUPS + g, mask=row_ok, other=0.0)
-            w_s = tl.load(w_s_ptr + cols * NUM_GROUPS + g, mask=col_ok, other=0.0)
-            acc += tl.dot(w, tl.trans(a)) * w_s[:, None] * a_s[None, :]
-        else:
-            acc = tl.dot(w, tl.trans(a), acc)
-    if not PER_GROUP:
-        a_s = tl.load(a_s_ptr + rows, mask=row_ok, other=0.0)
-        w_s = tl.load(w_s_ptr + cols, mask=col_ok, other=0.0)
-        acc = acc * w_s[:, None] * a_s[None, :]
+        acc = acc * _outer(tl.load(a_s_ptr + rows, mask=row_ok, other=0.0),
+                           tl.load(w_s_ptr + cols, mask=col_ok, other=0.0), False)
     if HAS_BIAS:    # added once: by the first K split
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        acc += tl.where(pid_k == 0, bias, 0.0)[:, None]
-    out = out_ptr + rows[None, :] * N + cols[:, None]
-    mask = row_ok[None, :] & col_ok[:, None]
+        acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
+    out = out_ptr + rows[:, None] * N + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT:
         tl.atomic_add(out, acc, mask=mask)
     else:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def fp8_matmul_swapped(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
-                       out_dtype: torch.dtype, bias: torch.Tensor | None = None,
-                       tile: tuple[int, int, int, int, int, int] = (64, 256, 128, 4, 4, 1)) -> torch.Tensor:
-    """`fp8_matmul` computed as out^T = w @ x^T. tile: (features, tokens, K step, warps, stages,
-    K splits); the K range of a split is a multiple of the K step (and of a per-group GEMM's group)."""
+def decode_tile(m: int, n: int, sms: int, per_group: bool) -> GemmTile | None:
+    """The swapped tile for m tokens and n output features on `sms` SMs, or None where the other
+    routes are faster. From a sweep of the Qwen3-8B projections at 64-256 tokens on one H100
+    (docs/benchmarks.md): 64 features by 64 or 128 tokens with five stages while the grid fits one
+    wave, 128 features when that keeps it in one wave; grids of several waves (gate_up) want three
+    stages, or 256 tokens a program past 128 tokens, where cuBLASLt's row-wise GEMM wins from 256.
+    Block scales at up to 16 tokens keep gemm_tile's 16-token tile (4.28 ms against 4.70 for the 8B
+    projections of 36 layers)."""
+    if m > SWAPPED_MAX_ROWS or (per_group and m <= 16):
+        return None
+    programs = lambda block_n, block_m: triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    block_m = 64 if m <= 64 or programs(64, 128) <= sms // 2 else 128
+    if programs(64, block_m) <= sms:
+        return GemmTile(block_m, 64, 128, 4, 5, swapped=True)
+    if programs(128, block_m) <= sms:
+        return GemmTile(block_m, 128, 128, 8, 5, swapped=True)
+    if m <= 128:
+        return GemmTile(block_m, 64, 128, 4, 3, swapped=True)
+    return GemmTile(256, 64, 128, 8, 5, swapped=True) if per_group or m <= 192 else None
+
+
+def gemm_tile(m: int, group_size: int, per_group: bool) -> GemmTile:
+    """Short tiles for decode, tall for prefill."""
+    block_k = min(128, group_size) if per_group else 128
+    if m <= 16:
+        return GemmTile(16, 64, block_k, 4, 4)
+    if m <= 64:
+        return GemmTile(64, 64, block_k, 4, 4)
+    return GemmTile(128, 128, block_k, 8, 3)
+
+
+def fp8_matmul(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
+               out_dtype: torch.dtype, bias: torch.Tensor | None = None, tile: GemmTile | None = None) -> torch.Tensor:
+    """The Triton twin of `fp8_matmul_ref`: x_q [M, K], x_s [M, G] (or [M, 1] for per-channel), w_q [N, K]
+    contiguous, w_s [N, G]. A per-group GEMM needs group_size a power of two of at least 16; its K
+    step is at most the group, and a K split's range a multiple of the step. tile: gemm_tile's by default."""
     m, k = x_q.shape
     n = w_q.shape[0]
     groups = w_s.shape[1]
     per_group = groups > 1
-    block_n, block_m, block_k, warps, stages, split_k = tile
+    assert not per_group or (group_size >= 16 and group_size & (group_size - 1) == 0)
+    block_m, block_n, block_k, warps, stages, split_k, swapped = tile or gemm_tile(m, group_size, per_group)
     if per_group:
-        assert group_size >= 16 and group_size & (group_size - 1) == 0
         block_k = min(block_k, group_size)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
@@ -240,63 +271,13 @@ def fp8_matmul_swapped(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, 
         torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     if m == 0:
         return out.to(out_dtype)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)
-    _fp8_gemm_swap_kernel[grid](x_q, x_s, w_q, w_s, bias if bias is not None else w_s, out, m, n, k, groups,
-                                group_size, k_per_split, HAS_BIAS=bias is not None, PER_GROUP=per_group,
-                                SPLIT=split_k > 1, BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k,
-                                num_warps=warps, num_stages=stages, **pdl_launch(x_q))
+    tiles = (triton.cdiv(n, block_n), triton.cdiv(m, block_m)) if swapped else \
+        (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _fp8_gemm_kernel[(*tiles, split_k)](x_q, x_s, w_q, w_s, bias if bias is not None else w_s, out, m, n, k, groups,
+                                        group_size, k_per_split, HAS_BIAS=bias is not None, PER_GROUP=per_group,
+                                        SPLIT=split_k > 1, SWAPPED=swapped, BLOCK_M=block_m, BLOCK_N=block_n,
+                                        BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_launch(x_q))
     return out.to(out_dtype) if split_k > 1 else out
-
-
-def decode_tile(m: int, n: int, sms: int, per_group: bool) -> tuple[int, int, int, int, int, int] | None:
-    """The tile of `fp8_matmul_swapped` for m tokens and n output features on `sms` SMs, or None where
-    the other path is faster. From a sweep of the Qwen3-8B projections at 64-256 tokens on one H100
-    (docs/benchmarks.md): 64 features by 64 or 128 tokens with five stages while the grid fits one
-    wave, 128 features when that keeps it in one wave; grids of several waves (gate_up) want three
-    stages, or 256 tokens a program past 128 tokens, where cuBLASLt's row-wise GEMM wins from 256.
-    Block scales at up to 16 tokens keep fp8_matmul's 16-token tile (4.28 ms against 4.70 for the 8B
-    projections of 36 layers)."""
-    if m > SWAPPED_MAX_ROWS or (per_group and m <= 16):
-        return None
-    programs = lambda block_n, block_m: triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    block_m = 64 if m <= 64 or programs(64, 128) <= sms // 2 else 128
-    if programs(64, block_m) <= sms:
-        return 64, block_m, 128, 4, 5, 1
-    if programs(128, block_m) <= sms:
-        return 128, block_m, 128, 8, 5, 1
-    if m <= 128:
-        return 64, block_m, 128, 4, 3, 1
-    return (64, 256, 128, 8, 5, 1) if per_group or m <= 192 else None
-
-
-def gemm_tile(m: int, group_size: int, per_group: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): short tiles for decode, tall for prefill."""
-    block_k = min(128, group_size) if per_group else 128
-    if m <= 16:
-        return 16, 64, block_k, 4, 4
-    if m <= 64:
-        return 64, 64, block_k, 4, 4
-    return 128, 128, block_k, 8, 3
-
-
-def fp8_matmul(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
-               out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton twin of `fp8_matmul_ref`: x_q [M, K], x_s [M, G] (or [M, 1] for per-channel), w_q [N, K]
-    contiguous, w_s [N, G]. A per-group GEMM needs group_size a power of two of at least 16."""
-    m, k = x_q.shape
-    n = w_q.shape[0]
-    groups = w_s.shape[1]
-    per_group = groups > 1
-    assert not per_group or (group_size >= 16 and group_size & (group_size - 1) == 0)
-    out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
-    if m == 0:
-        return out
-    block_m, block_n, block_k, warps, stages = gemm_tile(m, group_size, per_group)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _fp8_gemm_kernel[grid](x_q, x_s, w_q, w_s, bias if bias is not None else w_s, out, m, n, k, groups,
-                           group_size, HAS_BIAS=bias is not None, PER_GROUP=per_group, BLOCK_M=block_m,
-                           BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_launch(x_q))
-    return out
 
 
 def scaled_mm_per_channel(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
@@ -335,7 +316,7 @@ def fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     per_group = w_s.shape[1] > 1
     tile = decode_tile(x_q.shape[0], w_q.shape[0], sm_count(x_q.device), per_group)
     if tile is not None:
-        return fp8_matmul_swapped(x_q, x_s, w_q, w_s, group_size, out_dtype, bias, tile)
+        return fp8_matmul(x_q, x_s, w_q, w_s, group_size, out_dtype, bias, tile)
     if not per_group and SCALED_MM_PER_CHANNEL and cuda_major_capability(x_q) >= 9 and out_dtype == torch.bfloat16:
         return scaled_mm_per_channel(x_q, x_s, w_q, w_s, out_dtype, bias)
     return fp8_matmul(x_q, x_s, w_q, w_s, group_size, out_dtype, bias)
