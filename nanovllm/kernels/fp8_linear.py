@@ -158,21 +158,6 @@ class GemmTile(NamedTuple):
 
 
 @triton.jit
-def _tile_product(a, w, acc, SWAPPED: tl.constexpr):
-    """a [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] transposed, into acc, or transposed when SWAPPED."""
-    if SWAPPED:
-        return tl.dot(w, tl.trans(a), acc)
-    return tl.dot(a, tl.trans(w), acc)
-
-
-@triton.jit
-def _outer(a_s, w_s, SWAPPED: tl.constexpr):
-    if SWAPPED:
-        return w_s[:, None] * a_s[None, :]
-    return a_s[:, None] * w_s[None, :]
-
-
-@triton.jit
 def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K, NUM_GROUPS, GROUP, K_PER_SPLIT,
                      HAS_BIAS: tl.constexpr, PER_GROUP: tl.constexpr, SPLIT: tl.constexpr, SWAPPED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
@@ -202,14 +187,20 @@ def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K,
             g = k // GROUP
             a_s = tl.load(a_s_ptr + rows * NUM_GROUPS + g, mask=row_ok, other=0.0)
             w_s = tl.load(w_s_ptr + cols * NUM_GROUPS + g, mask=col_ok, other=0.0)
-            acc += _tile_product(a, w, None, SWAPPED) * _outer(a_s, w_s, SWAPPED)
+            if SWAPPED:
+                acc += tl.dot(w, tl.trans(a)) * (w_s[:, None] * a_s[None, :])
+            else:
+                acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * w_s[None, :])
+        elif SWAPPED:
+            acc = tl.dot(w, tl.trans(a), acc)
         else:
-            acc = _tile_product(a, w, acc, SWAPPED)
+            acc = tl.dot(a, tl.trans(w), acc)
     if SWAPPED:
         acc = tl.trans(acc)
     if not PER_GROUP:
-        acc = acc * _outer(tl.load(a_s_ptr + rows, mask=row_ok, other=0.0),
-                           tl.load(w_s_ptr + cols, mask=col_ok, other=0.0), False)
+        a_s = tl.load(a_s_ptr + rows, mask=row_ok, other=0.0)
+        w_s = tl.load(w_s_ptr + cols, mask=col_ok, other=0.0)
+        acc = acc * (a_s[:, None] * w_s[None, :])
     if HAS_BIAS:    # added once: by the first K split
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
