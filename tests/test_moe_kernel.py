@@ -180,6 +180,7 @@ FP8_CASES = [  # tokens, hidden, intermediate, top_k, group size, tile
     (9, 64, 32, 2, 32, SMALL_TILE),     # two tile steps a group
     (21, 64, 48, 2, 16, None),          # the decode tile's 128-column steps cut to the group
     (40, 72, 56, 2, 64, None),          # the prefill tile
+    (9, 40, 24, 2, 24, SMALL_TILE),     # groups of 24 (a rank's slice inside one block): read dequantized
 ]
 
 
