@@ -1,0 +1,157 @@
+"""Few-row products with 4-bit weights in int_gemm's layout (AWQ and GPTQ after loading):
+y = x @ W, W[k, n] = q[k, n] * scales[g, n] - scaled_zeros[g, n], g = k // group_size.
+
+At decode the weight bytes are the whole cost, so a step must spend about one instruction per
+weight. Each program streams BLOCK_N packed columns (16-byte loads along the output features) over
+a run of input rows; K is split over programs when the columns alone leave too few programs to fill
+the GPU (float32 partial sums meet by atomic adds). Per packed word w (input rows 8r + i in bits
+[4i, 4i + 4)), one `lop3` makes two 16-bit floats at once: (w >> s) & 0x000F000F | MAGIC holds, in
+its halves, OFFSET + q of rows s / 4 and s / 4 + 4, since MAGIC's halves are the 16-bit float
+OFFSET (bfloat16 0x4300 = 128, float16 0x6400 = 1024) whose low mantissa bits are then q. These
+integers are exact in 16 bits, so the matrix cores take them as they are: with x_j the columns
+8r + j of x, raw = sum_j x_j @ (OFFSET + q_j) over the step's words, summed in float32, and since
+a step lies inside one group the scale and zero are applied once per step and column:
+    sum_k x[k] W[k, n] = s[n] raw[n] - (OFFSET s[n] + z[n]) sum_k x[k],
+the step's sum of x taken by the matrix cores too (x_j @ ones: it lands in the accumulator's layout,
+and the compiler keeps one column tile of it, the others being equal).
+Rows are padded to a 16-row tile (the matrix cores' smallest). Triton's CPU interpreter runs no
+inline PTX: there the same halves come from integer shifts. Act-order layers (a g_idx) and 8 bits
+stay on int_gemm. The torch twin is int_gemm's: `int_gemm_ref`.
+"""
+from typing import NamedTuple
+
+import torch
+
+from nanovllm.kernels.fp8_gemv import split_k_for
+from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
+
+# The weight-only linear sends 4-bit products of at most this many rows here on CUDA (the rest to
+# int_gemm). To be set from `scripts/int_gemm_bench.py --int4-gemv` on an H100.
+GEMV_MAX_ROWS = 16
+
+# The 16-bit float whose halves the unpacking writes q into: bit pattern and value, by activation dtype.
+MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+# float32 (the interpreter only): the offset is added to the integer, then converted
+INTERPRETER_OFFSET = 128.0   # bfloat16's, at float32 precision
+
+
+class Int4GemvConfig(NamedTuple):
+    block_n: int        # packed columns per program
+    block_k: int        # input rows per loop step (8 per word; at least 128: 16 words, the matrix cores' K)
+    num_warps: int
+    num_stages: int
+
+
+DEFAULT_CONFIG = Int4GemvConfig(128, 128, 4, 4)
+
+
+def gemv_supported(k: int, group_size: int, g_idx: torch.Tensor | None, bits: int,
+                   config: Int4GemvConfig | None = None) -> bool:
+    """Whether int4_gemv takes this layer: 4 bits, groups that are runs of rows, whole steps per group."""
+    block_k = (config or DEFAULT_CONFIG).block_k
+    return bits == 4 and g_idx is None and group_size % min(block_k, group_size) == 0 \
+        and min(block_k, group_size) >= 128 and k % group_size == 0
+
+
+@triton.jit
+def _unpack_halves(words, SHIFT: tl.constexpr, MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr,
+                   USE_PTX: tl.constexpr, DTYPE: tl.constexpr):
+    """Rows SHIFT / 4 and SHIFT / 4 + 4 of each word as OFFSET + q in DTYPE."""
+    if USE_PTX:
+        # shift, then one lop3 ((a & b) | c: lookup table 0xEA), the two halves returned as-is
+        lo, hi = tl.inline_asm_elementwise(
+            asm=f"""{{
+            .reg .b32 t;
+            shr.u32 t, $2, {SHIFT};
+            lop3.b32 t, t, 0x000F000F, {MAGIC_BITS * 0x10001}, 0xEA;
+            mov.b32 {{$0, $1}}, t;
+            }}""",
+            constraints="=h,=h,r", args=[words], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+        return lo.to(DTYPE, bitcast=True), hi.to(DTYPE, bitcast=True)
+    else:
+        # the same word in integers; float32 (MAGIC_BITS 0) adds the offset instead
+        t = ((words >> SHIFT) & 0x000F000F) | (MAGIC_BITS * 0x10001)
+        lo, hi = t & 0xFFFF, (t >> 16) & 0xFFFF
+        if MAGIC_BITS:
+            return lo.to(tl.int16).to(DTYPE, bitcast=True), hi.to(tl.int16).to(DTYPE, bitcast=True)
+        return (lo + OFFSET).to(DTYPE), (hi + OFFSET).to(DTYPE)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, K, stride_x, K_PER_SPLIT,
+                      GROUP_SIZE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr, USE_PTX: tl.constexpr,
+                      INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
+    BLOCK_M: tl.constexpr = 16
+    WORDS: tl.constexpr = BLOCK_K // 8
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    words_in_step = tl.arange(0, WORDS)
+    x_rows = x_ptr + rows[:, None] * stride_x + 8 * words_in_step[None, :]   # x_j = x_rows + k0 + j
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    ones = tl.full((WORDS, BLOCK_N), 1.0, dtype)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kw = k0 // 8 + words_in_step
+        words = tl.load(qweight_ptr + kw.to(tl.int64)[:, None] * N + cols[None, :], mask=col_ok[None, :], other=0)
+        raw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        x_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)   # the step's sum of x, in every column
+        for half in tl.static_range(4):
+            w_lo, w_hi = _unpack_halves(words, 4 * half, MAGIC_BITS, OFFSET, USE_PTX, dtype)
+            x_lo = tl.load(x_rows + k0 + half, mask=row_ok[:, None], other=0.0)
+            x_hi = tl.load(x_rows + k0 + half + 4, mask=row_ok[:, None], other=0.0)
+            raw = tl.dot(x_lo, w_lo, raw, input_precision=INPUT_PRECISION)
+            raw = tl.dot(x_hi, w_hi, raw, input_precision=INPUT_PRECISION)
+            # summed by the matrix cores too: already in the accumulator's layout, no cross-lane reduction
+            x_sum = tl.dot(x_lo, ones, x_sum, input_precision=INPUT_PRECISION)
+            x_sum = tl.dot(x_hi, ones, x_sum, input_precision=INPUT_PRECISION)
+        group = k0 // GROUP_SIZE
+        s = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        z = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc += s * raw - (OFFSET * s + z) * x_sum
+    out = out_ptr + rows[:, None] * N + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT:
+        tl.atomic_add(out, acc, mask=mask)
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,
+              group_size: int, config: Int4GemvConfig | None = None, split_k: int | None = None) -> torch.Tensor:
+    """x [M, K] (last dimension contiguous) @ the 4-bit packed weight -> [M, N] in x's dtype:
+    bfloat16/float16 on CUDA (float32 too in the interpreter). Needs gemv_supported(K, group_size,
+    None, 4, config); meant for M <= GEMV_MAX_ROWS (more rows run, 16 at a time). `int_gemm_ref` is the twin."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    block_n, block_k, num_warps, num_stages = config or DEFAULT_CONFIG
+    if not gemv_supported(k, group_size, None, 4, config):
+        raise ValueError(f"int4_gemv: group_size {group_size} must be a multiple of 128 dividing K = {k} "
+                         f"and a multiple of block_k {block_k} (or smaller than it); use int_gemm")
+    if x.is_cuda and x.dtype not in MAGIC:
+        raise TypeError(f"int4_gemv: x must be bfloat16 or float16 on CUDA, got {x.dtype}")
+    if qweight.shape[0] * 8 != k:
+        raise ValueError(f"int4_gemv: qweight has {qweight.shape[0]} packed rows, K = {k} needs {k // 8}")
+    block_k = min(block_k, group_size)
+    magic_bits, offset = MAGIC.get(x.dtype, (0, INTERPRETER_OFFSET))
+    column_programs = triton.cdiv(n, block_n)
+    split_k = split_k or split_k_for(x, column_programs, k, block_k)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k > 1 else \
+        torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.to(x.dtype)
+    grid = (column_programs, split_k, triton.cdiv(m, 16))
+    _int4_gemv_kernel[grid](x, qweight, scales, scaled_zeros, out, m, n, k, x.stride(0), k_per_split,
+                            GROUP_SIZE=group_size, SPLIT=split_k > 1, BLOCK_N=block_n, BLOCK_K=block_k,
+                            MAGIC_BITS=magic_bits, OFFSET=offset, USE_PTX=x.is_cuda and x.dtype in MAGIC,
+                            INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+                            num_warps=num_warps, num_stages=num_stages, **pdl_launch(x))
+    return out.to(x.dtype) if split_k > 1 else out
