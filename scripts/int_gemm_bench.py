@@ -62,7 +62,8 @@ FP8_FEW_ROWS_CANDIDATES = [GemvConfig(*c) for c in [(16, 128, 4, 4), (16, 256, 4
 # --int4-gemv --sweep: (block_n, block_k, warps, stages)
 INT4_GEMV_CANDIDATES = [Int4GemvConfig(*c) for c in [(128, 128, 4, 4), (256, 128, 4, 4), (256, 128, 8, 4),
                                                      (128, 128, 4, 6), (64, 128, 4, 4), (64, 128, 2, 6),
-                                                     (256, 128, 4, 6), (512, 128, 8, 4), (128, 128, 8, 4)]]
+                                                     (256, 128, 4, 6), (512, 128, 8, 4), (128, 128, 8, 4),
+                                                     (256, 128, 4, 3), (512, 128, 8, 3)]]
 
 
 def projections(config: dict) -> dict[str, tuple[int, int]]:

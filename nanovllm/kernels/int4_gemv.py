@@ -4,15 +4,17 @@ y = x @ W, W[k, n] = q[k, n] * scales[g, n] - scaled_zeros[g, n], g = k // group
 At decode the weight bytes are the whole cost, so a step must spend about one instruction per
 weight. Each program streams BLOCK_N packed columns (16-byte loads along the output features) over
 a run of input rows; K is split over programs when the columns alone leave too few programs to fill
-the GPU (float32 partial sums meet by atomic adds). Per packed word w (input rows 8r + i in bits
-[4i, 4i + 4)), one `lop3` makes two 16-bit floats at once: (w >> s) & 0x000F000F | MAGIC holds, in
-its halves, OFFSET + q of rows s / 4 and s / 4 + 4, since MAGIC's halves are the 16-bit float
-OFFSET (bfloat16 0x4300 = 128, float16 0x6400 = 1024) whose low mantissa bits are then q. These
-integers are exact in 16 bits, so the matrix cores take them as they are: with x_j the columns
-8r + j of x, raw = sum_j x_j @ (OFFSET + q_j) over the step's words, summed in float32, and since
-a step lies inside one group the scale and zero are applied once per step and column:
+the GPU (float32 partial sums meet by atomic adds). Two packed words a, b (input rows 8r + i in bits
+[4i, 4i + 4)) become 16 weights in 16 instructions: two `prmt` gather their low and their high
+halves, then per row i a shift and one `lop3`, (t >> 4i) & 0x000F000F | MAGIC, make the pair of
+16-bit floats OFFSET + q (row i of a, row i of b), since MAGIC's halves are the float OFFSET
+(bfloat16 0x4300 = 128, float16 0x6400 = 1024) whose low mantissa bits are then q; the pair is the
+register the matrix cores take. These integers are exact in 16 bits, so with x_i the columns 8r + i
+of x (one contiguous load, split in registers), raw = sum_i x_i @ (OFFSET + q_i) over the step's
+words, summed in float32; a step lies inside one group, so the scale and zero are applied once per
+step and column:
     sum_k x[k] W[k, n] = s[n] raw[n] - (OFFSET s[n] + z[n]) sum_k x[k],
-the step's sum of x taken by the matrix cores too (x_j @ ones: it lands in the accumulator's layout,
+the step's sum of x taken by the matrix cores too (x_i @ ones: it lands in the accumulator's layout,
 and the compiler keeps one column tile of it, the others being equal).
 Rows are padded to a 16-row tile (the matrix cores' smallest). Triton's CPU interpreter runs no
 inline PTX: there the same halves come from integer shifts. Act-order layers (a g_idx) and 8 bits
@@ -42,7 +44,8 @@ class Int4GemvConfig(NamedTuple):
     num_stages: int
 
 
-DEFAULT_CONFIG = Int4GemvConfig(128, 128, 4, 4)
+# 256 columns x 16 words a step: ~2.5 SASS instructions per weight in the loop (sm_90, Triton 3.9)
+DEFAULT_CONFIG = Int4GemvConfig(256, 128, 4, 3)
 
 
 def gemv_supported(k: int, group_size: int, g_idx: torch.Tensor | None, bits: int,
@@ -54,27 +57,53 @@ def gemv_supported(k: int, group_size: int, g_idx: torch.Tensor | None, bits: in
 
 
 @triton.jit
-def _unpack_halves(words, SHIFT: tl.constexpr, MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr,
-                   USE_PTX: tl.constexpr, DTYPE: tl.constexpr):
-    """Rows SHIFT / 4 and SHIFT / 4 + 4 of each word as OFFSET + q in DTYPE."""
+def _unpack_rows(words, MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr, USE_PTX: tl.constexpr, DTYPE: tl.constexpr):
+    """The 8 rows of each word, row i as a tensor of OFFSET + q in DTYPE."""
     if USE_PTX:
-        # shift, then one lop3 ((a & b) | c: lookup table 0xEA), the two halves returned as-is
-        lo, hi = tl.inline_asm_elementwise(
+        # two words a, b per call: prmt gathers their low (rows 0-3) and high (rows 4-7) halves into
+        # one register each, then per row a shift and one lop3 ((x & 0x000F000F) | MAGIC, lookup
+        # table 0xEA) make the 16-bit pair (row i of a, row i of b), the order of the matrix cores' operand
+        rows = tl.inline_asm_elementwise(
             asm=f"""{{
-            .reg .b32 t;
-            shr.u32 t, $2, {SHIFT};
-            lop3.b32 t, t, 0x000F000F, {MAGIC_BITS * 0x10001}, 0xEA;
-            mov.b32 {{$0, $1}}, t;
+            .reg .b32 lo, hi, t;
+            prmt.b32 lo, $8, $9, 0x5410;
+            prmt.b32 hi, $8, $9, 0x7632;
+            lop3.b32 $0, lo, 0x000F000F, {MAGIC_BITS * 0x10001}, 0xEA;
+            shr.u32 t, lo, 4;
+            lop3.b32 $1, t, 0x000F000F, {MAGIC_BITS * 0x10001}, 0xEA;
+            shr.u32 t, lo, 8;
+            lop3.b32 $2, t, 0x000F000F, {MAGIC_BITS * 0x10001}, 0xEA;
+            shr.u32 t, lo, 12;
+            lop3.b32 $3, t, 0x000F000F, {MAGIC_BITS * 0x10001}, 0xEA;
+            lop3.b32 $4, hi, 0x000F000F, {MAGIC_BITS * 0x10001}, 0xEA;
+            shr.u32 t, hi, 4;
+            lop3.b32 $5, t, 0x000F000F, {MAGIC_BITS * 0x10001}, 0xEA;
+            shr.u32 t, hi, 8;
+            lop3.b32 $6, t, 0x000F000F, {MAGIC_BITS * 0x10001}, 0xEA;
+            shr.u32 t, hi, 12;
+            lop3.b32 $7, t, 0x000F000F, {MAGIC_BITS * 0x10001}, 0xEA;
             }}""",
-            constraints="=h,=h,r", args=[words], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
-        return lo.to(DTYPE, bitcast=True), hi.to(DTYPE, bitcast=True)
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r", args=[words],
+            dtype=(tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16),
+            is_pure=True, pack=2)
+        return (rows[0].to(DTYPE, bitcast=True), rows[1].to(DTYPE, bitcast=True), rows[2].to(DTYPE, bitcast=True),
+                rows[3].to(DTYPE, bitcast=True), rows[4].to(DTYPE, bitcast=True), rows[5].to(DTYPE, bitcast=True),
+                rows[6].to(DTYPE, bitcast=True), rows[7].to(DTYPE, bitcast=True))
     else:
-        # the same word in integers; float32 (MAGIC_BITS 0) adds the offset instead
-        t = ((words >> SHIFT) & 0x000F000F) | (MAGIC_BITS * 0x10001)
-        lo, hi = t & 0xFFFF, (t >> 16) & 0xFFFF
-        if MAGIC_BITS:
-            return lo.to(tl.int16).to(DTYPE, bitcast=True), hi.to(tl.int16).to(DTYPE, bitcast=True)
-        return (lo + OFFSET).to(DTYPE), (hi + OFFSET).to(DTYPE)
+        return (_row(words, 0, MAGIC_BITS, OFFSET, DTYPE), _row(words, 1, MAGIC_BITS, OFFSET, DTYPE),
+                _row(words, 2, MAGIC_BITS, OFFSET, DTYPE), _row(words, 3, MAGIC_BITS, OFFSET, DTYPE),
+                _row(words, 4, MAGIC_BITS, OFFSET, DTYPE), _row(words, 5, MAGIC_BITS, OFFSET, DTYPE),
+                _row(words, 6, MAGIC_BITS, OFFSET, DTYPE), _row(words, 7, MAGIC_BITS, OFFSET, DTYPE))
+
+
+@triton.jit
+def _row(words, I: tl.constexpr, MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr, DTYPE: tl.constexpr):
+    """Row I of each word in integers (the interpreter's path): the bit pattern MAGIC | q where
+    there is one (16-bit activations), else q + OFFSET converted (float32)."""
+    q = (words >> (4 * I)) & 0xF
+    if MAGIC_BITS:
+        return (q | MAGIC_BITS).to(tl.int16).to(DTYPE, bitcast=True)
+    return (q + OFFSET).to(DTYPE)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -91,7 +120,7 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     words_in_step = tl.arange(0, WORDS)
-    x_rows = x_ptr + rows[:, None] * stride_x + 8 * words_in_step[None, :]   # x_j = x_rows + k0 + j
+    x_tile = x_ptr + rows[:, None] * stride_x + tl.arange(0, BLOCK_K)[None, :]
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -102,19 +131,22 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, 
         words = tl.load(qweight_ptr + kw.to(tl.int64)[:, None] * N + cols[None, :], mask=col_ok[None, :], other=0)
         raw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         x_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)   # the step's sum of x, in every column
-        for half in tl.static_range(4):
-            w_lo, w_hi = _unpack_halves(words, 4 * half, MAGIC_BITS, OFFSET, USE_PTX, dtype)
-            x_lo = tl.load(x_rows + k0 + half, mask=row_ok[:, None], other=0.0)
-            x_hi = tl.load(x_rows + k0 + half + 4, mask=row_ok[:, None], other=0.0)
-            raw = tl.dot(x_lo, w_lo, raw, input_precision=INPUT_PRECISION)
-            raw = tl.dot(x_hi, w_hi, raw, input_precision=INPUT_PRECISION)
+        w = _unpack_rows(words, MAGIC_BITS, OFFSET, USE_PTX, dtype)
+        # one contiguous load of the step's columns of x, split in registers into x_i = x[:, 8r + i]
+        x = tl.load(x_tile + k0, mask=row_ok[:, None], other=0.0)
+        by_bit0 = tl.split(tl.reshape(x, (BLOCK_M, WORDS, 2, 2, 2)))    # the last axis is bit 0 of i
+        by_bit1 = (tl.split(by_bit0[0]), tl.split(by_bit0[1]))
+        xs = ((tl.split(by_bit1[0][0]), tl.split(by_bit1[0][1])), (tl.split(by_bit1[1][0]), tl.split(by_bit1[1][1])))
+        for i in tl.static_range(8):
+            x_i = xs[i & 1][(i >> 1) & 1][i >> 2]
+            raw = tl.dot(x_i, w[i], raw, input_precision=INPUT_PRECISION)
             # summed by the matrix cores too: already in the accumulator's layout, no cross-lane reduction
-            x_sum = tl.dot(x_lo, ones, x_sum, input_precision=INPUT_PRECISION)
-            x_sum = tl.dot(x_hi, ones, x_sum, input_precision=INPUT_PRECISION)
+            x_sum = tl.dot(x_i, ones, x_sum, input_precision=INPUT_PRECISION)
         group = k0 // GROUP_SIZE
         s = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         z = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        acc += s * raw - (OFFSET * s + z) * x_sum
+        acc += s * raw                       # two fused multiply-adds per element
+        acc -= (OFFSET * s + z) * x_sum
     out = out_ptr + rows[:, None] * N + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT:
