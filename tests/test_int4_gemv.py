@@ -1,11 +1,17 @@
 """The few-row 4-bit GEMV against int_gemm's torch twin (interpreter on the CPU: float32, and
 float16 through the same bit patterns the GPU builds; bfloat16 and float16 through the inline PTX
 on CUDA), with and without split K, odd row counts, group sizes above one step, per-channel groups;
-the 16-bit patterns it builds are the floats OFFSET + q; the weight-only layer picks it only where it applies."""
+the 16-bit patterns it builds are the floats OFFSET + q, and its PTX (emulated here instruction by
+instruction, as the PTX ISA defines prmt, shr and lop3) builds them from two words; the weight-only
+layer picks the GEMV only where it applies."""
+
+import random
+import re
+
 import pytest
 import torch
 
-from nanovllm.kernels.int4_gemv import MAGIC, Int4GemvConfig, gemv_supported, int4_gemv
+from nanovllm.kernels.int4_gemv import MAGIC, Int4GemvConfig, gemv_supported, int4_gemv, unpack_asm
 from nanovllm.kernels.int_gemm import int_gemm_ref
 from nanovllm.quantization.int_packing import awq_for_gemm, gptq_for_gemm
 from nanovllm.utils.quantized_checkpoint import quantize_awq, quantize_gptq
@@ -71,6 +77,38 @@ def test_magic_halves_are_offset_plus_q(dtype):
     bits, offset = MAGIC[dtype]
     q = torch.arange(16, dtype=torch.int16)
     assert torch.equal((q | bits).view(dtype).float(), q.float() + offset)
+
+
+def run_ptx(asm: str, a: int, b: int) -> list[int]:
+    """The 8 outputs of unpack_asm's program for the input words a ($8) and b ($9), unsigned 32-bit."""
+    regs = {"$8": a, "$9": b}
+    value = lambda operand: regs[operand] if operand in regs else int(operand, 0)
+    instructions = [re.fullmatch(r"(prmt\.b32|shr\.u32|lop3\.b32) (.+);", line.strip()) for line in asm.splitlines()]
+    for op, operands in [m.groups() for m in instructions if m]:
+        dest, *src = [t.strip() for t in operands.split(",")]
+        v = [value(x) for x in src]
+        if op == "prmt.b32":   # byte i of the result: byte (selector nibble i) of the 8 bytes b:a
+            pool = (v[1] << 32) | v[0]
+            regs[dest] = sum(((pool >> (8 * ((v[2] >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif op == "shr.u32":
+            regs[dest] = v[0] >> v[1]
+        else:                  # bit j of the result: bit (a_j b_j c_j as a 3-bit number) of the table
+            regs[dest] = sum(((v[3] >> (((v[0] >> j) & 1) << 2 | ((v[1] >> j) & 1) << 1 | ((v[2] >> j) & 1))) & 1) << j
+                             for j in range(32))
+    return [regs[f"${i}"] for i in range(8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ptx_turns_two_words_into_their_rows(dtype):
+    bits, offset = MAGIC[dtype]
+    asm = unpack_asm(bits)
+    rng = random.Random(0)
+    for a, b in [(0, 0xFFFFFFFF), (0x76543210, 0xFEDCBA98)] + [(rng.getrandbits(32), rng.getrandbits(32))
+                                                               for _ in range(50)]:
+        for i, out in enumerate(run_ptx(asm, a, b)):
+            halves = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(dtype)
+            expected = torch.tensor([(a >> 4 * i) & 0xF, (b >> 4 * i) & 0xF]).float() + offset
+            assert torch.equal(halves.float(), expected), (hex(a), hex(b), i)
 
 
 def test_supported_layers():

@@ -17,7 +17,8 @@ step and column:
 the step's sum of x taken by the matrix cores too (x_i @ ones: it lands in the accumulator's layout,
 and the compiler keeps one column tile of it, the others being equal).
 Rows are padded to a 16-row tile (the matrix cores' smallest). Triton's CPU interpreter runs no
-inline PTX: there the same halves come from integer shifts. Act-order layers (a g_idx) and 8 bits
+inline PTX: there the same 16-bit patterns come from integer shifts and masks (the PTX program
+itself is checked by an emulation of its instructions in tests/test_int4_gemv.py). Act-order layers (a g_idx) and 8 bits
 stay on int_gemm. The torch twin is int_gemm's: `int_gemm_ref`.
 """
 from typing import NamedTuple
@@ -56,33 +57,29 @@ def gemv_supported(k: int, group_size: int, g_idx: torch.Tensor | None, bits: in
         and min(block_k, group_size) >= 128 and k % group_size == 0
 
 
+def unpack_asm(magic_bits: int) -> str:
+    """The PTX that turns two words a ($8), b ($9) into their 8 rows, $i = (row i of b) << 16 | (row i of a)
+    as 16-bit floats OFFSET + q: prmt gathers their low (rows 0-3) and high (rows 4-7) halves into
+    one register each (selectors 0x5410, 0x7632), then per row a shift and one lop3,
+    (t & 0x000F000F) | MAGIC (lookup table 0xEA = (0xF0 & 0xCC) | 0xAA). The pair is the matrix
+    cores' operand register."""
+    lines = ["prmt.b32 lo, $8, $9, 0x5410;", "prmt.b32 hi, $8, $9, 0x7632;"]
+    for i in range(8):
+        half, shift = ("lo", "hi")[i // 4], 4 * (i % 4)
+        if shift:
+            lines.append(f"shr.u32 t, {half}, {shift};")
+        lines.append(f"lop3.b32 ${i}, {'t' if shift else half}, 0x000F000F, {magic_bits * 0x10001:#010x}, 0xEA;")
+    return "{\n.reg .b32 lo, hi, t;\n" + "\n".join(lines) + "\n}"
+
+
 @triton.jit
-def _unpack_rows(words, MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr, USE_PTX: tl.constexpr, DTYPE: tl.constexpr):
+def _unpack_rows(words, ASM: tl.constexpr, MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr, USE_PTX: tl.constexpr,
+                 DTYPE: tl.constexpr):
     """The 8 rows of each word, row i as a tensor of OFFSET + q in DTYPE."""
     if USE_PTX:
-        # two words a, b per call: prmt gathers their low (rows 0-3) and high (rows 4-7) halves into
-        # one register each, then per row a shift and one lop3 ((x & 0x000F000F) | MAGIC, lookup
-        # table 0xEA) make the 16-bit pair (row i of a, row i of b), the order of the matrix cores' operand
+        # two words per call (pack=2): 16 weights in 16 instructions (unpack_asm)
         rows = tl.inline_asm_elementwise(
-            asm=f"""{{
-            .reg .b32 lo, hi, t;
-            prmt.b32 lo, $8, $9, 0x5410;
-            prmt.b32 hi, $8, $9, 0x7632;
-            lop3.b32 $0, lo, 0x000F000F, {MAGIC_BITS * 0x10001}, 0xEA;
-            shr.u32 t, lo, 4;
-            lop3.b32 $1, t, 0x000F000F, {MAGIC_BITS * 0x10001}, 0xEA;
-            shr.u32 t, lo, 8;
-            lop3.b32 $2, t, 0x000F000F, {MAGIC_BITS * 0x10001}, 0xEA;
-            shr.u32 t, lo, 12;
-            lop3.b32 $3, t, 0x000F000F, {MAGIC_BITS * 0x10001}, 0xEA;
-            lop3.b32 $4, hi, 0x000F000F, {MAGIC_BITS * 0x10001}, 0xEA;
-            shr.u32 t, hi, 4;
-            lop3.b32 $5, t, 0x000F000F, {MAGIC_BITS * 0x10001}, 0xEA;
-            shr.u32 t, hi, 8;
-            lop3.b32 $6, t, 0x000F000F, {MAGIC_BITS * 0x10001}, 0xEA;
-            shr.u32 t, hi, 12;
-            lop3.b32 $7, t, 0x000F000F, {MAGIC_BITS * 0x10001}, 0xEA;
-            }}""",
+            asm=ASM,
             constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r", args=[words],
             dtype=(tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16),
             is_pure=True, pack=2)
@@ -109,7 +106,7 @@ def _row(words, I: tl.constexpr, MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr,
 @triton.jit(do_not_specialize=["M"])
 def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, K, stride_x, K_PER_SPLIT,
                       GROUP_SIZE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr, USE_PTX: tl.constexpr,
+                      ASM: tl.constexpr, MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr, USE_PTX: tl.constexpr,
                       INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     BLOCK_M: tl.constexpr = 16
@@ -131,7 +128,7 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, 
         words = tl.load(qweight_ptr + kw.to(tl.int64)[:, None] * N + cols[None, :], mask=col_ok[None, :], other=0)
         raw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         x_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)   # the step's sum of x, in every column
-        w = _unpack_rows(words, MAGIC_BITS, OFFSET, USE_PTX, dtype)
+        w = _unpack_rows(words, ASM, MAGIC_BITS, OFFSET, USE_PTX, dtype)
         # one contiguous load of the step's columns of x, split in registers into x_i = x[:, 8r + i]
         x = tl.load(x_tile + k0, mask=row_ok[:, None], other=0.0)
         by_bit0 = tl.split(tl.reshape(x, (BLOCK_M, WORDS, 2, 2, 2)))    # the last axis is bit 0 of i
@@ -183,7 +180,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
     grid = (column_programs, split_k, triton.cdiv(m, 16))
     _int4_gemv_kernel[grid](x, qweight, scales, scaled_zeros, out, m, n, k, x.stride(0), k_per_split,
                             GROUP_SIZE=group_size, SPLIT=split_k > 1, BLOCK_N=block_n, BLOCK_K=block_k,
-                            MAGIC_BITS=magic_bits, OFFSET=offset, USE_PTX=x.is_cuda and x.dtype in MAGIC,
+                            ASM=unpack_asm(magic_bits), MAGIC_BITS=magic_bits, OFFSET=offset,
+                            USE_PTX=x.is_cuda and x.dtype in MAGIC,
                             INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
                             num_warps=num_warps, num_stages=num_stages, **pdl_launch(x))
     return out.to(x.dtype) if split_k > 1 else out
