@@ -4,22 +4,23 @@ y = x @ W, W[k, n] = q[k, n] * scales[g, n] - scaled_zeros[g, n], g = k // group
 At decode the weight bytes are the whole cost, so a step must spend about one instruction per
 weight. Each program streams BLOCK_N packed columns (16-byte loads along the output features) over
 a run of input rows; K is split over programs when the columns alone leave too few programs to fill
-the GPU (float32 partial sums meet by atomic adds). Two packed words a, b (input rows 8r + i in bits
-[4i, 4i + 4)) become 16 weights in 16 instructions: two `prmt` gather their low and their high
-halves, then per row i a shift and one `lop3`, (t >> 4i) & 0x000F000F | MAGIC, make the pair of
-16-bit floats OFFSET + q (row i of a, row i of b), since MAGIC's halves are the float OFFSET
-(bfloat16 0x4300 = 128, float16 0x6400 = 1024) whose low mantissa bits are then q; the pair is the
-register the matrix cores take. These integers are exact in 16 bits, so with x_i the columns 8r + i
-of x (one contiguous load, split in registers), raw = sum_i x_i @ (OFFSET + q_i) over the step's
-words, summed in float32; a step lies inside one group, so the scale and zero are applied once per
-step and column:
+the GPU: their float32 partial sums meet by atomic adds in a workspace, and the last program of a
+tile to arrive writes the output (one kernel per product, no zeroing or casting kernels around it).
+Two packed words a, b (input rows 8r + i in bits [4i, 4i + 4)) become 16 weights in 16
+instructions: two `prmt` gather their low and their high halves, then per row i a shift and one
+`lop3`, (t >> 4i) & 0x000F000F | MAGIC, make the pair of 16-bit floats OFFSET + q (row i of a, row
+i of b), since MAGIC's halves are the float OFFSET (bfloat16 0x4300 = 128, float16 0x6400 = 1024)
+whose low mantissa bits are then q; the pair is the register the matrix cores take. These integers
+are exact in 16 bits, so with x_i the columns 8r + i of x (one contiguous load, split in
+registers), raw = sum_i x_i @ (OFFSET + q_i) over the step's words, summed in float32; a step lies
+inside one group, so the scale and zero are applied once per step and column:
     sum_k x[k] W[k, n] = s[n] raw[n] - (OFFSET s[n] + z[n]) sum_k x[k],
 the step's sum of x taken by the matrix cores too (x_i @ ones: it lands in the accumulator's layout,
 and the compiler keeps one column tile of it, the others being equal).
 Rows are padded to a 16-row tile (the matrix cores' smallest). Triton's CPU interpreter runs no
 inline PTX: there the same 16-bit patterns come from integer shifts and masks (the PTX program
-itself is checked by an emulation of its instructions in tests/test_int4_gemv.py). Act-order layers (a g_idx) and 8 bits
-stay on int_gemm. The torch twin is int_gemm's: `int_gemm_ref`.
+itself is checked by an emulation of its instructions in tests/test_int4_gemv.py). Act-order
+layers (a g_idx) and 8 bits stay on int_gemm. The torch twin is int_gemm's: `int_gemm_ref`.
 """
 from typing import NamedTuple
 
@@ -104,7 +105,8 @@ def _row(words, I: tl.constexpr, MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr,
 
 
 @triton.jit(do_not_specialize=["M"])
-def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, K, stride_x, K_PER_SPLIT,
+def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partial_ptr, arrivals_ptr,
+                      M, N, K, stride_x, K_PER_SPLIT,
                       GROUP_SIZE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       ASM: tl.constexpr, MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr, USE_PTX: tl.constexpr,
                       INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr):
@@ -144,12 +146,42 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, 
         z = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc += s * raw                       # two fused multiply-adds per element
         acc -= (OFFSET * s + z) * x_sum
-    out = out_ptr + rows[:, None] * N + cols[None, :]
+    offsets = rows[:, None] * N + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
-    if SPLIT:
-        tl.atomic_add(out, acc, mask=mask)
+    if SPLIT > 1:
+        # the K splits of a tile add into float32 sums; the last to arrive writes the output and
+        # leaves the sums and its arrival count at zero for the next call (no kernels around this one)
+        tl.atomic_add(partial_ptr + offsets, acc, mask=mask, sem="release")
+        tl.debug_barrier()     # every thread's sums are in before the tile counts this program as arrived
+        arrivals = arrivals_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(arrivals, 1, sem="acq_rel") == SPLIT - 1:
+            # read where the sums were made (an atomic, not a possibly stale cached load)
+            total = tl.atomic_add(partial_ptr + offsets, tl.zeros_like(acc), mask=mask, sem="acquire")
+            tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(partial_ptr + offsets, tl.zeros_like(acc), mask=mask)
+            tl.store(arrivals, 0)
     else:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_outgrown: list[torch.Tensor] = []     # kept alive: CUDA graphs captured with them still write there
+
+
+def split_workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 partial sums and int32 arrival counts for split K, zero between calls (the kernel
+    leaves them so), one pair per device, grown when too small. Calls on one stream share it: a
+    kernel finishes its tiles before the next one starts."""
+    floats, counts = _workspaces.get(device, (None, None))
+    if floats is None or floats.numel() < sums or counts.numel() < tiles:
+        if floats is not None:
+            _outgrown.extend((floats, counts))
+        floats = torch.zeros(max(sums, 1 << 20, 0 if floats is None else 2 * floats.numel()), dtype=torch.float32,
+                             device=device)
+        counts = torch.zeros(max(tiles, 1 << 14, 0 if counts is None else 2 * counts.numel()), dtype=torch.int32,
+                             device=device)
+        _workspaces[device] = (floats, counts)
+    return floats, counts
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,
@@ -173,15 +205,15 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
     split_k = split_k or split_k_for(x, column_programs, k, block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
-    out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k > 1 else \
-        torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
-        return out.to(x.dtype)
+        return out
     grid = (column_programs, split_k, triton.cdiv(m, 16))
-    _int4_gemv_kernel[grid](x, qweight, scales, scaled_zeros, out, m, n, k, x.stride(0), k_per_split,
-                            GROUP_SIZE=group_size, SPLIT=split_k > 1, BLOCK_N=block_n, BLOCK_K=block_k,
+    partial, arrivals = split_workspace(x.device, m * n if split_k > 1 else 0, grid[0] * grid[2] if split_k > 1 else 0)
+    _int4_gemv_kernel[grid](x, qweight, scales, scaled_zeros, out, partial, arrivals, m, n, k, x.stride(0),
+                            k_per_split, GROUP_SIZE=group_size, SPLIT=split_k, BLOCK_N=block_n, BLOCK_K=block_k,
                             ASM=unpack_asm(magic_bits), MAGIC_BITS=magic_bits, OFFSET=offset,
                             USE_PTX=x.is_cuda and x.dtype in MAGIC,
                             INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
                             num_warps=num_warps, num_stages=num_stages, **pdl_launch(x))
-    return out.to(x.dtype) if split_k > 1 else out
+    return out
