@@ -5,8 +5,8 @@ then timed for the projections of a model shape at a few batch sizes against the
 With --gemv, the few-row weight-streaming float8 kernel instead (fp8_gemv, checked against its twin
 first): for FP8 per-channel and FP8 block [128, 128] weights at 1 to 16 rows, time and weight bytes
 read per second of the GEMV, of the W8A8 path (activations quantized, then torch._scaled_mm or the
-Triton float8 GEMM), and of the bfloat16 GEMM. (A 4-bit GEMV was tried and lost to int_gemm at
-every row count: docs/benchmarks.md.)
+Triton float8 GEMM), and of the bfloat16 GEMM. (A first 4-bit GEMV, unpacking with scalar float
+math, lost to int_gemm at every row count: docs/benchmarks.md; --int4-gemv times its successor.)
 
 Each timing replays a CUDA graph of calls that cycle through enough copies of the layer to
 overflow the L2 cache, so every call reads its weights from memory, as in a decode step.
