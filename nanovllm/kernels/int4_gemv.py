@@ -106,7 +106,7 @@ def _row(words, I: tl.constexpr, MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr,
 
 @triton.jit(do_not_specialize=["M"])
 def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partial_ptr, arrivals_ptr,
-                      M, N, K, stride_x, K_PER_SPLIT,
+                      M, N, K, stride_x, K_PER_SPLIT, NUM_SPLITS,
                       GROUP_SIZE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       ASM: tl.constexpr, MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr, USE_PTX: tl.constexpr,
                       INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr):
@@ -148,13 +148,13 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
         acc -= (OFFSET * s + z) * x_sum
     offsets = rows[:, None] * N + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
-    if SPLIT > 1:
+    if SPLIT:
         # the K splits of a tile add into float32 sums; the last to arrive writes the output and
         # leaves the sums and its arrival count at zero for the next call (no kernels around this one)
         tl.atomic_add(partial_ptr + offsets, acc, mask=mask, sem="release")
         tl.debug_barrier()     # every thread's sums are in before the tile counts this program as arrived
         arrivals = arrivals_ptr + pid_m * tl.num_programs(0) + pid_n
-        if tl.atomic_add(arrivals, 1, sem="acq_rel") == SPLIT - 1:
+        if tl.atomic_add(arrivals, 1, sem="acq_rel") == NUM_SPLITS - 1:
             # read where the sums were made (an atomic, not a possibly stale cached load)
             total = tl.atomic_add(partial_ptr + offsets, tl.zeros_like(acc), mask=mask, sem="acquire")
             tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
@@ -209,9 +209,10 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
     if m == 0:
         return out
     grid = (column_programs, split_k, triton.cdiv(m, 16))
-    partial, arrivals = split_workspace(x.device, m * n if split_k > 1 else 0, grid[0] * grid[2] if split_k > 1 else 0)
+    partial, arrivals = split_workspace(x.device, m * n, grid[0] * grid[2]) if split_k > 1 else (out, out)
     _int4_gemv_kernel[grid](x, qweight, scales, scaled_zeros, out, partial, arrivals, m, n, k, x.stride(0),
-                            k_per_split, GROUP_SIZE=group_size, SPLIT=split_k, BLOCK_N=block_n, BLOCK_K=block_k,
+                            k_per_split, split_k, GROUP_SIZE=group_size, SPLIT=split_k > 1, BLOCK_N=block_n,
+                            BLOCK_K=block_k,
                             ASM=unpack_asm(magic_bits), MAGIC_BITS=magic_bits, OFFSET=offset,
                             USE_PTX=x.is_cuda and x.dtype in MAGIC,
                             INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
