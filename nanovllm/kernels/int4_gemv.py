@@ -104,7 +104,7 @@ def _row(words, I: tl.constexpr, MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr,
     return (q + OFFSET).to(DTYPE)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "NUM_SPLITS"])   # one compiled kernel for every row and split count
 def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partial_ptr, arrivals_ptr,
                       M, N, K, stride_x, K_PER_SPLIT, NUM_SPLITS,
                       GROUP_SIZE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
