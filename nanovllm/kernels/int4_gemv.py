@@ -193,8 +193,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
     n = qweight.shape[1]
     block_n, block_k, num_warps, num_stages = config or DEFAULT_CONFIG
     if not gemv_supported(k, group_size, None, 4, config):
-        raise ValueError(f"int4_gemv: group_size {group_size} must be a multiple of 128 dividing K = {k} "
-                         f"and a multiple of block_k {block_k} (or smaller than it); use int_gemm")
+        raise ValueError(f"int4_gemv: group_size {group_size} must be at least 128, divide K = {k} and, when "
+                         f"larger than block_k {block_k}, be a multiple of it; use int_gemm")
     if x.is_cuda and x.dtype not in MAGIC:
         raise TypeError(f"int4_gemv: x must be bfloat16 or float16 on CUDA, got {x.dtype}")
     if qweight.shape[0] * 8 != k:
