@@ -157,6 +157,7 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
         if tl.atomic_add(arrivals, 1, sem="acq_rel") == NUM_SPLITS - 1:
             # read where the sums were made (an atomic, not a possibly stale cached load)
             total = tl.atomic_add(partial_ptr + offsets, tl.zeros_like(acc), mask=mask, sem="acquire")
+            total = tl.where(mask, total, 0.0)        # masked lanes return nothing defined
             tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.store(partial_ptr + offsets, tl.zeros_like(acc), mask=mask)
             tl.store(arrivals, 0)
