@@ -5,8 +5,8 @@ then timed for the projections of a model shape at a few batch sizes against the
 With --gemv, the few-row weight-streaming float8 kernel instead (fp8_gemv, checked against its twin
 first): for FP8 per-channel and FP8 block [128, 128] weights at 1 to 16 rows, time and weight bytes
 read per second of the GEMV, of the W8A8 path (activations quantized, then torch._scaled_mm or the
-Triton float8 GEMM), and of the bfloat16 GEMM. (A 4-bit GEMV was tried and lost to int_gemm at
-every row count: docs/benchmarks.md.)
+Triton float8 GEMM), and of the bfloat16 GEMM. (A first 4-bit GEMV, unpacking with scalar float
+math, lost to int_gemm at every row count: docs/benchmarks.md; --int4-gemv times its successor.)
 
 Each timing replays a CUDA graph of calls that cycle through enough copies of the layer to
 overflow the L2 cache, so every call reads its weights from memory, as in a decode step.
@@ -16,10 +16,17 @@ overflow the L2 cache, so every call reads its weights from memory, as in a deco
     PYTHONPATH=. python scripts/int_gemm_bench.py --gemv       # the GEMVs at M = 1, 2, 4, 8, 16
     PYTHONPATH=. python scripts/int_gemm_bench.py --gemv --sweep --batch 1 16   # their launch shapes too
     PYTHONPATH=. python scripts/int_gemm_bench.py --w8a8       # float8 GEMMs at decode batch sizes
+    PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemv  # the 4-bit GEMV at M = 1, 2, 4, 8, 16
+    PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemv --sweep --batch 1 16   # its launch shapes too
 
 With --w8a8, the float8 GEMM fp8_linear runs after quantizing the activations (fp8_gemm: the
 transposed Triton kernel on decode_tile's tiles up to 256 rows) against torch._scaled_mm with
 row-wise scales and the plain Triton kernel, for per-channel and block [128, 128] weights.
+
+With --int4-gemv, the few-row 4-bit GEMV (int4_gemv: 16-bit floats built by lop3, summed by the
+matrix cores), checked against its twin in bfloat16 and float16 first, against int_gemm and the
+bfloat16 GEMM per projection; --sweep adds its launch shapes, each with split K chosen by
+PROGRAMS_PER_SM (--programs-per-sm) and with none.
 """
 import argparse
 import json
@@ -32,6 +39,8 @@ from nanovllm.kernels import fp8_gemv as fp8_gemv_module
 from nanovllm.kernels.fp8 import FP8_DTYPE
 from nanovllm.kernels.fp8_gemv import GemvConfig, fp8_gemv, fp8_gemv_ref
 from nanovllm.kernels.fp8_linear import fp8_gemm, fp8_matmul, quantize_activation, scaled_mm_per_channel
+from nanovllm.kernels import int4_gemv as int4_gemv_module
+from nanovllm.kernels.int4_gemv import Int4GemvConfig, int4_gemv
 from nanovllm.kernels.int_gemm import DECODE_CONFIG, PREFILL_CONFIG, LaunchConfig, int_gemm, int_gemm_ref
 from nanovllm.quantization.int_packing import awq_for_gemm, dequantize_awq
 from nanovllm.utils.quantized_checkpoint import quantize_awq
@@ -49,6 +58,12 @@ FP8_ONE_ROW_CANDIDATES = [GemvConfig(*c) for c in [(4, 512, 4, 4), (8, 512, 4, 4
                                                    (16, 512, 8, 4), (4, 1024, 4, 3), (8, 256, 2, 6)]]
 FP8_FEW_ROWS_CANDIDATES = [GemvConfig(*c) for c in [(16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3),
                                                     (32, 256, 4, 4), (32, 128, 4, 5), (16, 256, 8, 4)]]
+
+# --int4-gemv --sweep: (block_n, block_k, warps, stages)
+INT4_GEMV_CANDIDATES = [Int4GemvConfig(*c) for c in [(128, 128, 4, 4), (256, 128, 4, 4), (256, 128, 8, 4),
+                                                     (128, 128, 4, 6), (64, 128, 4, 4), (64, 128, 2, 6),
+                                                     (256, 128, 4, 6), (512, 128, 8, 4), (128, 128, 8, 4),
+                                                     (256, 128, 4, 3), (512, 128, 8, 3)]]
 
 
 def projections(config: dict) -> dict[str, tuple[int, int]]:
@@ -216,6 +231,68 @@ def w8a8_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> Non
               + ", ".join(f"{key} {v * num_layers * 1e3:.2f}" for key, v in t.items()))
 
 
+def check_int4_gemv() -> None:
+    """The 4-bit GEMV (inline PTX) against its twin on a real AWQ layer: row counts, split K, launch
+    shapes (in bfloat16; float16 the default shape). 1040 columns: a partial tile, and the sizes'
+    divisibility of the model's, so the timings reuse these compiled kernels."""
+    k, n, group = 2048, 1040, 128
+    t = quantize_awq(torch.randn(n, k) / k ** 0.5, group)
+    for dtype in (torch.bfloat16, torch.float16):
+        layer = {key: v.cuda() for key, v in awq_for_gemm(t["qweight"], t["qzeros"], t["scales"], dtype).items()}
+        args = (layer["qweight"], layer["scales"], layer["scaled_zeros"])
+        worst = 0.0
+        for m in (1, 5, 16, 19):
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            ref = int_gemm_ref(x, *args, 4, group).float()
+            for config in [None] + (INT4_GEMV_CANDIDATES if dtype == torch.bfloat16 else []):
+                for split in (None, 1, 3):
+                    out = int4_gemv(x, *args, group, config=config, split_k=split).float()
+                    worst = max(worst, ((out - ref).abs().max() / ref.abs().max()).item())
+        print(f"int4 GEMV vs twin, {dtype}, worst max-abs error / max |y|: {worst:.2e}")
+        assert worst < 2e-2, (dtype, worst)
+
+
+def int4_gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> None:
+    """The 4-bit GEMV against int_gemm and the bfloat16 GEMM, per projection and M."""
+    dtype, group = torch.bfloat16, args.group_size
+    totals = {}
+    print(f"{'layer':13} {'M':>3} {'gemv us':>8} {'GB/s':>6} {'int_gemm us':>11} {'GB/s':>6} {'bf16 us':>8} "
+          f"{'speedup':>8}  best sweep")
+    for name, (k, n) in shapes.items():
+        bytes4 = k * n // 2 + 2 * 2 * (k // group) * n
+        layers = [random_layer(k, n, group, dtype) for _ in range(max(2, min(32, math.ceil(4 * L2_BYTES / bytes4))))]
+        copies16 = max(2, min(16, math.ceil(4 * L2_BYTES / (2 * k * n))))
+        weights16 = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(copies16)]
+        for m in args.batch:
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+
+            def gemv(config=None, split=None):
+                return [lambda l=l: int4_gemv(x, l["qweight"], l["scales"], l["scaled_zeros"], group,
+                                              config=config, split_k=split) for l in layers]
+            t_gemv = graph_time(gemv())
+            t_gemm = graph_time([lambda l=l: int_gemm(x, l["qweight"], l["scales"], l["scaled_zeros"], 4, group)
+                                 for l in layers])
+            t16 = graph_time([lambda w=w: F.linear(x, w) for w in weights16])
+            best = ""
+            if args.sweep:
+                timed = sorted([(graph_time(gemv(c, split)), str(tuple(c)), split or "auto")
+                                for c in INT4_GEMV_CANDIDATES for split in (None, 1)], key=lambda timing: timing[0])
+                best = ", ".join(f"{t * 1e6:.1f} us {c} split {sp}" for t, c, sp in timed[:3])
+            for key, t in (("gemv", t_gemv), ("int_gemm", t_gemm), ("bf16", t16)):
+                totals.setdefault(m, {}).setdefault(key, 0.0)
+                totals[m][key] += t
+            gbs = lambda t: (bytes4 + 2 * m * (k + n)) / t / 1e9
+            print(f"{name:13} {m:3d} {t_gemv * 1e6:8.1f} {gbs(t_gemv):6.0f} {t_gemm * 1e6:11.1f} {gbs(t_gemm):6.0f} "
+                  f"{t16 * 1e6:8.1f} {t_gemm / t_gemv:8.2f}  {best}", flush=True)
+        del layers, weights16
+        torch.cuda.empty_cache()
+    for m, t in totals.items():
+        print(f"M={m:<3d} four projections x{num_layers} layers: int4 gemv {num_layers * t['gemv'] * 1e3:.2f} ms, "
+              f"int_gemm {num_layers * t['int_gemm'] * 1e3:.2f} ms, bf16 {num_layers * t['bf16'] * 1e3:.2f} ms")
+    print(f"int4 GEMV knobs: {int4_gemv_module.DEFAULT_CONFIG}; PROGRAMS_PER_SM {fp8_gemv_module.PROGRAMS_PER_SM}; "
+          f"GEMV_MAX_ROWS {int4_gemv_module.GEMV_MAX_ROWS}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/qwen3-8b.json")
@@ -226,6 +303,7 @@ def main() -> None:
     parser.add_argument("--gemv", action="store_true", help="the few-row GEMVs against the paths before them and bf16")
     parser.add_argument("--programs-per-sm", type=int, help="the GEMVs' split-K target (PROGRAMS_PER_SM)")
     parser.add_argument("--w8a8", action="store_true", help="float8 GEMMs (quantized activations) at decode sizes")
+    parser.add_argument("--int4-gemv", action="store_true", help="the 4-bit GEMV against int_gemm and bf16")
     args = parser.parse_args()
     if args.w8a8:
         args.batch = args.batch or [16, 32, 64, 96, 128, 160, 192, 224, 256, 512]
@@ -241,6 +319,13 @@ def main() -> None:
             model = json.load(f)
         check_gemv()
         gemv_table(args, projections(model), model["num_hidden_layers"])
+        return
+    if args.int4_gemv:
+        args.batch = args.batch or [1, 2, 4, 8, 16]
+        with open(args.config) as f:
+            model = json.load(f)
+        check_int4_gemv()
+        int4_gemv_table(args, projections(model), model["num_hidden_layers"])
         return
     args.batch = args.batch or [1, 16, 256]
     for dtype in (torch.bfloat16, torch.float16):

@@ -1,11 +1,13 @@
 """What AWQ and GPTQ share: integer weights with a scale and zero per group of input rows, turned
 once after loading into the layout of nanovllm/kernels/int_gemm.py and multiplied there (on the
-GPU, 16-bit activations) or by its torch twin (on the CPU, and for float32). Activations stay
-unquantized: weight-only quantization.
+GPU, 16-bit activations; a few rows of 4 bits by nanovllm/kernels/int4_gemv.py) or by its torch
+twin (on the CPU, and for float32). Activations stay unquantized: weight-only quantization.
 """
 import torch
 from torch import nn
 
+from nanovllm.kernels import int4_gemv as int4_gemv_module
+from nanovllm.kernels.int4_gemv import gemv_supported, int4_gemv
 from nanovllm.kernels.int_gemm import int_gemm, int_gemm_ref
 from nanovllm.quantization.base import LinearMethod
 
@@ -32,10 +34,15 @@ class WeightOnlyIntMethod(LinearMethod):
         layer.group_size = group_size
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # the Triton kernel on the GPU for 16-bit activations; the twin on the CPU and for float32
-        gemm = int_gemm if x.is_cuda and x.dtype != torch.float32 else int_gemm_ref
-        y = gemm(x.reshape(-1, x.shape[-1]).contiguous(), layer.qweight, layer.scales, layer.scaled_zeros,
-                 self.bits, layer.group_size, layer.g_idx)
+        # the Triton kernels on the GPU for 16-bit activations (a few rows of 4 bits: the GEMV);
+        # the twin on the CPU and for float32
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        if x.is_cuda and x.dtype != torch.float32 and x2.shape[0] <= int4_gemv_module.GEMV_MAX_ROWS \
+                and gemv_supported(x2.shape[1], layer.group_size, layer.g_idx, self.bits):
+            y = int4_gemv(x2, layer.qweight, layer.scales, layer.scaled_zeros, layer.group_size)
+        else:
+            gemm = int_gemm if x.is_cuda and x.dtype != torch.float32 else int_gemm_ref
+            y = gemm(x2, layer.qweight, layer.scales, layer.scaled_zeros, self.bits, layer.group_size, layer.g_idx)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
 

@@ -1,0 +1,221 @@
+"""Few-row products with 4-bit weights in int_gemm's layout (AWQ and GPTQ after loading):
+y = x @ W, W[k, n] = q[k, n] * scales[g, n] - scaled_zeros[g, n], g = k // group_size.
+
+At decode the weight bytes are the whole cost, so a step must spend about one instruction per
+weight. Each program streams BLOCK_N packed columns (16-byte loads along the output features) over
+a run of input rows; K is split over programs when the columns alone leave too few programs to fill
+the GPU: their float32 partial sums meet by atomic adds in a workspace, and the last program of a
+tile to arrive writes the output (one kernel per product, no zeroing or casting kernels around it).
+Two packed words a, b (input rows 8r + i in bits [4i, 4i + 4)) become 16 weights in 16
+instructions: two `prmt` gather their low and their high halves, then per row i a shift and one
+`lop3`, (t >> 4i) & 0x000F000F | MAGIC, make the pair of 16-bit floats OFFSET + q (row i of a, row
+i of b), since MAGIC's halves are the float OFFSET (bfloat16 0x4300 = 128, float16 0x6400 = 1024)
+whose low mantissa bits are then q; the pair is the register the matrix cores take. These integers
+are exact in 16 bits, so with x_i the columns 8r + i of x (one contiguous load, split in
+registers), raw = sum_i x_i @ (OFFSET + q_i) over the step's words, summed in float32; a step lies
+inside one group, so the scale and zero are applied once per step and column:
+    sum_k x[k] W[k, n] = s[n] raw[n] - (OFFSET s[n] + z[n]) sum_k x[k],
+the step's sum of x taken by the matrix cores too (x_i @ ones: it lands in the accumulator's layout,
+and the compiler keeps one column tile of it, the others being equal).
+Rows are padded to a 16-row tile (the matrix cores' smallest). Triton's CPU interpreter runs no
+inline PTX: there the same 16-bit patterns come from integer shifts and masks (the PTX program
+itself is checked by an emulation of its instructions in tests/test_int4_gemv.py). Act-order
+layers (a g_idx) and 8 bits stay on int_gemm. The torch twin is int_gemm's: `int_gemm_ref`.
+"""
+from typing import NamedTuple
+
+import torch
+
+from nanovllm.kernels.fp8_gemv import split_k_for
+from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
+
+# The weight-only linear sends 4-bit products of at most this many rows here on CUDA (the rest to
+# int_gemm). To be set from `scripts/int_gemm_bench.py --int4-gemv` on an H100.
+GEMV_MAX_ROWS = 16
+
+# The 16-bit float whose halves the unpacking writes q into: bit pattern and value, by activation dtype.
+MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+# float32 (the interpreter only): the offset is added to the integer, then converted
+INTERPRETER_OFFSET = 128.0   # bfloat16's, at float32 precision
+
+
+class Int4GemvConfig(NamedTuple):
+    block_n: int        # packed columns per program
+    block_k: int        # input rows per loop step (8 per word; at least 128: 16 words, the matrix cores' K)
+    num_warps: int
+    num_stages: int
+
+
+# 256 columns x 16 words a step: ~2.5 SASS instructions per weight in the loop (sm_90, Triton 3.9)
+DEFAULT_CONFIG = Int4GemvConfig(256, 128, 4, 3)
+
+
+def gemv_supported(k: int, group_size: int, g_idx: torch.Tensor | None, bits: int,
+                   config: Int4GemvConfig | None = None) -> bool:
+    """Whether int4_gemv takes this layer: 4 bits, groups that are runs of rows, whole steps per group."""
+    block_k = (config or DEFAULT_CONFIG).block_k
+    return bits == 4 and g_idx is None and group_size % min(block_k, group_size) == 0 \
+        and min(block_k, group_size) >= 128 and k % group_size == 0
+
+
+def unpack_asm(magic_bits: int) -> str:
+    """The PTX that turns two words a ($8), b ($9) into their 8 rows, $i = (row i of b) << 16 | (row i of a)
+    as 16-bit floats OFFSET + q: prmt gathers their low (rows 0-3) and high (rows 4-7) halves into
+    one register each (selectors 0x5410, 0x7632), then per row a shift and one lop3,
+    (t & 0x000F000F) | MAGIC (lookup table 0xEA = (0xF0 & 0xCC) | 0xAA). The pair is the matrix
+    cores' operand register."""
+    lines = ["prmt.b32 lo, $8, $9, 0x5410;", "prmt.b32 hi, $8, $9, 0x7632;"]
+    for i in range(8):
+        half, shift = ("lo", "hi")[i // 4], 4 * (i % 4)
+        if shift:
+            lines.append(f"shr.u32 t, {half}, {shift};")
+        lines.append(f"lop3.b32 ${i}, {'t' if shift else half}, 0x000F000F, {magic_bits * 0x10001:#010x}, 0xEA;")
+    return "{\n.reg .b32 lo, hi, t;\n" + "\n".join(lines) + "\n}"
+
+
+@triton.jit
+def _unpack_rows(words, ASM: tl.constexpr, MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr, USE_PTX: tl.constexpr,
+                 DTYPE: tl.constexpr):
+    """The 8 rows of each word, row i as a tensor of OFFSET + q in DTYPE."""
+    if USE_PTX:
+        # two words per call (pack=2): 16 weights in 16 instructions (unpack_asm)
+        rows = tl.inline_asm_elementwise(
+            asm=ASM,
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r", args=[words],
+            dtype=(tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16),
+            is_pure=True, pack=2)
+        return (rows[0].to(DTYPE, bitcast=True), rows[1].to(DTYPE, bitcast=True), rows[2].to(DTYPE, bitcast=True),
+                rows[3].to(DTYPE, bitcast=True), rows[4].to(DTYPE, bitcast=True), rows[5].to(DTYPE, bitcast=True),
+                rows[6].to(DTYPE, bitcast=True), rows[7].to(DTYPE, bitcast=True))
+    else:
+        return (_row(words, 0, MAGIC_BITS, OFFSET, DTYPE), _row(words, 1, MAGIC_BITS, OFFSET, DTYPE),
+                _row(words, 2, MAGIC_BITS, OFFSET, DTYPE), _row(words, 3, MAGIC_BITS, OFFSET, DTYPE),
+                _row(words, 4, MAGIC_BITS, OFFSET, DTYPE), _row(words, 5, MAGIC_BITS, OFFSET, DTYPE),
+                _row(words, 6, MAGIC_BITS, OFFSET, DTYPE), _row(words, 7, MAGIC_BITS, OFFSET, DTYPE))
+
+
+@triton.jit
+def _row(words, I: tl.constexpr, MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr, DTYPE: tl.constexpr):
+    """Row I of each word in integers (the interpreter's path): the bit pattern MAGIC | q where
+    there is one (16-bit activations), else q + OFFSET converted (float32)."""
+    q = (words >> (4 * I)) & 0xF
+    if MAGIC_BITS:
+        return (q | MAGIC_BITS).to(tl.int16).to(DTYPE, bitcast=True)
+    return (q + OFFSET).to(DTYPE)
+
+
+@triton.jit(do_not_specialize=["M", "NUM_SPLITS"])   # one compiled kernel for every row and split count
+def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partial_ptr, arrivals_ptr,
+                      M, N, K, stride_x, K_PER_SPLIT, NUM_SPLITS,
+                      GROUP_SIZE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      ASM: tl.constexpr, MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr, USE_PTX: tl.constexpr,
+                      INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
+    BLOCK_M: tl.constexpr = 16
+    WORDS: tl.constexpr = BLOCK_K // 8
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    words_in_step = tl.arange(0, WORDS)
+    x_tile = x_ptr + rows[:, None] * stride_x + tl.arange(0, BLOCK_K)[None, :]
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    ones = tl.full((WORDS, BLOCK_N), 1.0, dtype)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kw = k0 // 8 + words_in_step
+        words = tl.load(qweight_ptr + kw.to(tl.int64)[:, None] * N + cols[None, :], mask=col_ok[None, :], other=0)
+        raw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        x_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)   # the step's sum of x, in every column
+        w = _unpack_rows(words, ASM, MAGIC_BITS, OFFSET, USE_PTX, dtype)
+        # one contiguous load of the step's columns of x, split in registers into x_i = x[:, 8r + i]
+        x = tl.load(x_tile + k0, mask=row_ok[:, None], other=0.0)
+        by_bit0 = tl.split(tl.reshape(x, (BLOCK_M, WORDS, 2, 2, 2)))    # the last axis is bit 0 of i
+        by_bit1 = (tl.split(by_bit0[0]), tl.split(by_bit0[1]))
+        xs = ((tl.split(by_bit1[0][0]), tl.split(by_bit1[0][1])), (tl.split(by_bit1[1][0]), tl.split(by_bit1[1][1])))
+        for i in tl.static_range(8):
+            x_i = xs[i & 1][(i >> 1) & 1][i >> 2]
+            raw = tl.dot(x_i, w[i], raw, input_precision=INPUT_PRECISION)
+            # summed by the matrix cores too: already in the accumulator's layout, no cross-lane reduction
+            x_sum = tl.dot(x_i, ones, x_sum, input_precision=INPUT_PRECISION)
+        group = k0 // GROUP_SIZE
+        s = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        z = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc += s * raw                       # two fused multiply-adds per element
+        acc -= (OFFSET * s + z) * x_sum
+    offsets = rows[:, None] * N + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT:
+        # the K splits of a tile add into float32 sums; the last to arrive writes the output and
+        # leaves the sums and its arrival count at zero for the next call (no kernels around this one)
+        tl.atomic_add(partial_ptr + offsets, acc, mask=mask, sem="release")
+        tl.debug_barrier()     # every thread's sums are in before the tile counts this program as arrived
+        arrivals = arrivals_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(arrivals, 1, sem="acq_rel") == NUM_SPLITS - 1:
+            # read where the sums were made (an atomic, not a possibly stale cached load)
+            total = tl.atomic_add(partial_ptr + offsets, tl.zeros_like(acc), mask=mask, sem="acquire")
+            total = tl.where(mask, total, 0.0)        # masked lanes return nothing defined
+            tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(partial_ptr + offsets, tl.zeros_like(acc), mask=mask)
+            tl.store(arrivals, 0)
+    else:
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_outgrown: list[torch.Tensor] = []     # kept alive: CUDA graphs captured with them still write there
+
+
+def split_workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 partial sums and int32 arrival counts for split K, zero between calls (the kernel
+    leaves them so), one pair per device, grown when too small. Calls on one stream share it: a
+    kernel finishes its tiles before the next one starts."""
+    floats, counts = _workspaces.get(device, (None, None))
+    if floats is None or floats.numel() < sums or counts.numel() < tiles:
+        if floats is not None:
+            _outgrown.extend((floats, counts))
+        floats = torch.zeros(max(sums, 1 << 20, 0 if floats is None else 2 * floats.numel()), dtype=torch.float32,
+                             device=device)
+        counts = torch.zeros(max(tiles, 1 << 14, 0 if counts is None else 2 * counts.numel()), dtype=torch.int32,
+                             device=device)
+        _workspaces[device] = (floats, counts)
+    return floats, counts
+
+
+def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,
+              group_size: int, config: Int4GemvConfig | None = None, split_k: int | None = None) -> torch.Tensor:
+    """x [M, K] (last dimension contiguous) @ the 4-bit packed weight -> [M, N] in x's dtype:
+    bfloat16/float16 on CUDA (float32 too in the interpreter). Needs gemv_supported(K, group_size,
+    None, 4, config); meant for M <= GEMV_MAX_ROWS (more rows run, 16 at a time). `int_gemm_ref` is the twin."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    block_n, block_k, num_warps, num_stages = config or DEFAULT_CONFIG
+    if not gemv_supported(k, group_size, None, 4, config):
+        raise ValueError(f"int4_gemv: group_size {group_size} must be at least 128, divide K = {k} and, when "
+                         f"larger than block_k {block_k}, be a multiple of it; use int_gemm")
+    if x.is_cuda and x.dtype not in MAGIC:
+        raise TypeError(f"int4_gemv: x must be bfloat16 or float16 on CUDA, got {x.dtype}")
+    if qweight.shape[0] * 8 != k:
+        raise ValueError(f"int4_gemv: qweight has {qweight.shape[0]} packed rows, K = {k} needs {k // 8}")
+    block_k = min(block_k, group_size)
+    magic_bits, offset = MAGIC.get(x.dtype, (0, INTERPRETER_OFFSET))
+    column_programs = triton.cdiv(n, block_n)
+    split_k = split_k or split_k_for(x, column_programs, k, block_k)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    grid = (column_programs, split_k, triton.cdiv(m, 16))
+    partial, arrivals = split_workspace(x.device, m * n, grid[0] * grid[2]) if split_k > 1 else (out, out)
+    _int4_gemv_kernel[grid](x, qweight, scales, scaled_zeros, out, partial, arrivals, m, n, k, x.stride(0),
+                            k_per_split, split_k, GROUP_SIZE=group_size, SPLIT=split_k > 1, BLOCK_N=block_n,
+                            BLOCK_K=block_k,
+                            ASM=unpack_asm(magic_bits), MAGIC_BITS=magic_bits, OFFSET=offset,
+                            USE_PTX=x.is_cuda and x.dtype in MAGIC,
+                            INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+                            num_warps=num_warps, num_stages=num_stages, **pdl_launch(x))
+    return out

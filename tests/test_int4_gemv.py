@@ -1,0 +1,161 @@
+"""The few-row 4-bit GEMV against int_gemm's torch twin (interpreter on the CPU: float32, and
+float16 through the same bit patterns the GPU builds; bfloat16 and float16 through the inline PTX
+on CUDA), with and without split K, odd row counts, group sizes above one step, per-channel groups;
+the 16-bit patterns it builds are the floats OFFSET + q, and its PTX (emulated here instruction by
+instruction, as the PTX ISA defines prmt, shr and lop3) builds them from two words; the weight-only
+layer picks the GEMV only where it applies."""
+
+import random
+import re
+
+import pytest
+import torch
+
+from nanovllm.kernels.int4_gemv import MAGIC, Int4GemvConfig, gemv_supported, int4_gemv, unpack_asm
+from nanovllm.kernels.int_gemm import int_gemm_ref
+from nanovllm.quantization.int_packing import awq_for_gemm, gptq_for_gemm
+from nanovllm.utils.quantized_checkpoint import quantize_awq, quantize_gptq
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.bfloat16, torch.float16] if DEVICE == "cuda" else [torch.float32, torch.float16]
+
+
+def awq_layer(k: int, n: int, group_size: int, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) / k ** 0.5
+    t = quantize_awq(w, group_size)
+    return {name: v.to(DEVICE) for name, v in awq_for_gemm(t["qweight"], t["qzeros"], t["scales"], dtype).items()}
+
+
+def both(x, layer, group_size, config=None, split_k=None):
+    args = (layer["qweight"], layer["scales"], layer["scaled_zeros"])
+    return int4_gemv(x, *args, group_size, config=config, split_k=split_k), int_gemm_ref(x, *args, 4, group_size)
+
+
+def tolerance(dtype):
+    return dict(rtol=0, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 19])
+def test_matches_twin(dtype, rows):
+    k, n, group_size = 512, 200, 128      # 200 columns: a partial column tile
+    layer = awq_layer(k, n, group_size, dtype)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE, dtype)
+    for split_k in (1, 3):
+        out, ref = both(x, layer, group_size, split_k=split_k)
+        assert out.dtype == dtype and out.shape == (rows, n)
+        torch.testing.assert_close(out, ref, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("group_size,config", [(256, Int4GemvConfig(64, 128, 4, 2)),      # two steps per group
+                                               (256, Int4GemvConfig(32, 256, 2, 3)),      # one step per group
+                                               (512, Int4GemvConfig(128, 128, 4, 2))])    # one group: per channel
+def test_group_sizes_and_launch_shapes(group_size, config):
+    k, n = 512, 96
+    dtype = DTYPES[0]
+    layer = awq_layer(k, n, group_size, dtype, seed=1)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    for split_k in (None, 2):
+        out, ref = both(x, layer, group_size, config, split_k)
+        torch.testing.assert_close(out, ref, **tolerance(dtype))
+
+
+def test_gptq_layout_matches_twin():
+    k, n, group_size = 256, 64, 128
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(2)) / k ** 0.5
+    t = quantize_gptq(w, 4, group_size, None)
+    layer = {name: v.to(DEVICE) for name, v in
+             gptq_for_gemm(t["qweight"], t["qzeros"], t["scales"], 4, True, torch.float16).items()}
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.float16)
+    out, ref = both(x, layer, group_size)
+    torch.testing.assert_close(out, ref, **tolerance(torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_magic_halves_are_offset_plus_q(dtype):
+    """What the PTX builds: a 16-bit half MAGIC | q is the float OFFSET + q (exact in 16 bits)."""
+    bits, offset = MAGIC[dtype]
+    q = torch.arange(16, dtype=torch.int16)
+    assert torch.equal((q | bits).view(dtype).float(), q.float() + offset)
+
+
+def run_ptx(asm: str, a: int, b: int) -> list[int]:
+    """The 8 outputs of unpack_asm's program for the input words a ($8) and b ($9), unsigned 32-bit."""
+    regs = {"$8": a, "$9": b}
+    value = lambda operand: regs[operand] if operand in regs else int(operand, 0)
+    instructions = [re.fullmatch(r"(prmt\.b32|shr\.u32|lop3\.b32) (.+);", line.strip()) for line in asm.splitlines()]
+    for op, operands in [m.groups() for m in instructions if m]:
+        dest, *src = [t.strip() for t in operands.split(",")]
+        v = [value(x) for x in src]
+        if op == "prmt.b32":   # byte i of the result: byte (selector nibble i) of the 8 bytes b:a
+            pool = (v[1] << 32) | v[0]
+            regs[dest] = sum(((pool >> (8 * ((v[2] >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif op == "shr.u32":
+            regs[dest] = v[0] >> v[1]
+        else:                  # bit j of the result: bit (a_j b_j c_j as a 3-bit number) of the table
+            regs[dest] = sum(((v[3] >> (((v[0] >> j) & 1) << 2 | ((v[1] >> j) & 1) << 1 | ((v[2] >> j) & 1))) & 1) << j
+                             for j in range(32))
+    return [regs[f"${i}"] for i in range(8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ptx_turns_two_words_into_their_rows(dtype):
+    bits, offset = MAGIC[dtype]
+    asm = unpack_asm(bits)
+    rng = random.Random(0)
+    for a, b in [(0, 0xFFFFFFFF), (0x76543210, 0xFEDCBA98)] + [(rng.getrandbits(32), rng.getrandbits(32))
+                                                               for _ in range(50)]:
+        for i, out in enumerate(run_ptx(asm, a, b)):
+            halves = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(dtype)
+            expected = torch.tensor([(a >> 4 * i) & 0xF, (b >> 4 * i) & 0xF]).float() + offset
+            assert torch.equal(halves.float(), expected), (hex(a), hex(b), i)
+
+
+def test_supported_layers():
+    assert gemv_supported(4096, 128, None, 4)
+    assert gemv_supported(4096, 4096, None, 4)           # per channel: one group
+    assert not gemv_supported(4096, 64, None, 4)         # a step of 16 words spans several groups
+    assert not gemv_supported(4096, 128, None, 8)
+    assert not gemv_supported(4096, 128, torch.arange(4096) // 128, 4)     # act order
+    with pytest.raises(ValueError, match="group_size"):
+        x = torch.zeros(1, 256, device=DEVICE, dtype=DTYPES[0])
+        layer = awq_layer(256, 32, 64, DTYPES[0])
+        int4_gemv(x, layer["qweight"], layer["scales"], layer["scaled_zeros"], 64)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the layer sends work to the GEMV on CUDA only (the CPU runs the twin)")
+@pytest.mark.parametrize("rows,expect_gemv", [(1, True), (16, True), (17, False)])
+def test_weight_only_layer_routes_few_rows_to_the_gemv(monkeypatch, rows, expect_gemv):
+    from nanovllm.quantization import weight_only
+    from nanovllm.quantization.awq import AWQLinearMethod
+    calls = []
+    monkeypatch.setattr(weight_only, "int4_gemv", lambda *a, **kw: calls.append(1) or int4_gemv(*a, **kw))
+    layer = torch.nn.Module()
+    for name, t in awq_layer(256, 64, 128, torch.bfloat16).items():
+        setattr(layer, name, t)
+    layer.group_size, layer.g_idx = 128, None
+    x = torch.randn(rows, 256, device=DEVICE, dtype=torch.bfloat16)
+    out = AWQLinearMethod(128).apply(layer, x)
+    assert bool(calls) == expect_gemv
+    torch.testing.assert_close(out, int_gemm_ref(x, layer.qweight, layer.scales, layer.scaled_zeros, 4, 128),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_split_k_leaves_its_workspace_zero():
+    """The last split of each tile writes the output and clears the sums and arrival counts, so
+    the next call (another shape, then the first again) starts from zeros."""
+    from nanovllm.kernels.int4_gemv import _workspaces
+    dtype = DTYPES[0]
+    small, large = awq_layer(256, 48, 128, dtype, seed=5), awq_layer(512, 96, 128, dtype, seed=6)
+    x_small = torch.randn(3, 256, generator=torch.Generator().manual_seed(8)).to(DEVICE, dtype)
+    x_large = torch.randn(2, 512, generator=torch.Generator().manual_seed(9)).to(DEVICE, dtype)
+    first, ref = both(x_small, small, 128, Int4GemvConfig(16, 128, 4, 2), split_k=2)
+    torch.testing.assert_close(first, ref, **tolerance(dtype))
+    floats, counts = _workspaces[x_small.device]
+    assert not floats.any() and not counts.any()
+    out, ref = both(x_large, large, 128, split_k=4)
+    torch.testing.assert_close(out, ref, **tolerance(dtype))
+    again, _ = both(x_small, small, 128, Int4GemvConfig(16, 128, 4, 2), split_k=2)
+    assert torch.equal(again, first)
+    floats, counts = _workspaces[x_small.device]
+    assert not floats.any() and not counts.any()
