@@ -6,10 +6,10 @@ Against the unfused kernels the result must be bit for bit the same in the inter
 16-bit value, then the same division and rounding (round_to_e4m3). Compiled for CUDA, the fused
 RMSNorm may sum a row's squares in another order (Triton lays out the whole kernel anew), so a
 16-bit value can move by an ulp: on an H100, 0 to 3 codes in a million moved by one e4m3 step
-(2026-11-25), and float32 scales by an ulp. Against the torch twins the 16-bit value itself may
+(2026-11-25), and float32 scales by a few ulps. Against the torch twins the 16-bit value may
 differ by an ulp (rsqrt, exp and the order of the sum of squares differ between Triton and torch, as
 in tests/test_kernels.py), which moves a code by at most one e4m3 step and a scale by at most one
-16-bit ulp of the row's maximum.
+16-bit ulp of the row's maximum (compared within two).
 """
 import pytest
 import torch
@@ -24,6 +24,10 @@ DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32] if CUDA else [torch.float32, torch.float16]
 # one ulp relative (at most) of the 16-bit output; float32 outputs differ by a few ulps
 ULP = {torch.float32: 2 ** -20, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}
+# a scale is a row's (group's) largest 16-bit value / 448: where that value moved by an ulp, the scale
+# moves by up to 2^-10 (float16) relative, and the comparison itself rounds; so two ulps. A float32
+# row normalised in another order moves by several float32 ulps (a sum of thousands of squares).
+SCALE_RTOL = {torch.float32: 2 ** -16, torch.float16: 2 ** -9, torch.bfloat16: 2 ** -6}
 EPS = 1e-6
 # (rows, columns, group): per token and 128-column group (last group partial), per token (group =
 # columns, not a power of two), a group wider than the row, one row, groups over several tiles
@@ -63,22 +67,23 @@ def assert_same_bits(actual: QuantizedActivation, q: torch.Tensor, scale: torch.
 
 
 def assert_same_as_unfused(actual: QuantizedActivation, q: torch.Tensor, scale: torch.Tensor, dtype) -> None:
-    """Bit for bit in the interpreter; on CUDA codes within one step, at most 10 in a million moved."""
+    """Bit for bit in the interpreter; on CUDA codes within one step, at most 100 in a million moved
+    (an H100 moved 0 to 3 in a million; a wrong group, scale or rounding moves far more)."""
     if not CUDA:
         return assert_same_bits(actual, q, scale, dtype)
     assert actual.q.dtype == FP8_DTYPE and actual.dtype == dtype
-    torch.testing.assert_close(actual.scale, scale, rtol=ULP[dtype], atol=0)
+    torch.testing.assert_close(actual.scale, scale, rtol=SCALE_RTOL[dtype], atol=0)
     codes, unfused = actual.q.view(torch.uint8).int(), q.view(torch.uint8).int()
     assert (codes - unfused).abs().max().item() <= 1
-    assert (codes != unfused).float().mean().item() <= 1e-5
+    assert (codes != unfused).float().mean().item() <= 1e-4
 
 
 def assert_near_twin(actual: QuantizedActivation, twin: QuantizedActivation, group: int) -> None:
-    """Scales within one 16-bit ulp (float32: a few) of the maximum; each value within one e4m3 step (2^-3 relative,
+    """Scales within two 16-bit ulps (float32: 2^-16) of the maximum; each value within one e4m3 step (2^-3 relative,
     2^-9 of the scale among the subnormals) after both scales; almost every code the same (as
     values: the kernels write +0 where torch writes -0)."""
     assert actual.q.shape == twin.q.shape and actual.scale.shape == twin.scale.shape
-    torch.testing.assert_close(actual.scale, twin.scale, rtol=ULP[twin.dtype], atol=0)
+    torch.testing.assert_close(actual.scale, twin.scale, rtol=SCALE_RTOL[twin.dtype], atol=0)
     ours, theirs = dequantize_ref(actual.q, actual.scale, group), dequantize_ref(twin.q, twin.scale, group)
     step = 2 ** -3 * torch.maximum(ours.abs(), theirs.abs())
     step += 2 ** -9 * twin.scale.repeat_interleave(group, dim=1)[:, :ours.shape[1]]
