@@ -81,6 +81,17 @@ def random_layer(k: int, n: int, group_size: int, dtype: torch.dtype) -> dict[st
     return {"qweight": qweight, "scales": scales, "scaled_zeros": (zeros.float() * scales.float()).to(dtype)}
 
 
+def copies_beyond_l2(make, nbytes: int, most: int = 32) -> list:
+    """`make()`'s layer of `nbytes` enough times that calls cycling through the copies overflow the
+    L2 cache, so each call reads its weights from memory (at least 2, at most `most`)."""
+    return [make() for _ in range(max(2, min(most, math.ceil(4 * L2_BYTES / nbytes))))]
+
+
+def bf16_copies(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """16-bit [n, k] weights for the F.linear baseline, as copies_beyond_l2 makes them."""
+    return copies_beyond_l2(lambda: torch.randn(n, k, device="cuda", dtype=dtype), 2 * k * n, most=16)
+
+
 def graph_time(calls, repeats: int = 20) -> float:
     """Seconds per call: a CUDA graph of `calls` (one pass) replayed `repeats` times."""
     stream = torch.cuda.Stream()
@@ -155,7 +166,7 @@ def check_gemv() -> None:
 
 def gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> None:
     """Each format's GEMV against the path it replaces and against bfloat16, per projection and M."""
-    dtype, group = torch.bfloat16, args.group_size
+    dtype = torch.bfloat16
     totals = {}
     print(f"{'format':12} {'layer':13} {'M':>3} {'gemv us':>8} {'GB/s':>6} {'before us':>9} {'GB/s':>6} "
           f"{'bf16 us':>8} {'GB/s':>6} {'speedup':>8}  best sweep")
@@ -164,10 +175,8 @@ def gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> Non
             "fp8 channel": (n * k + 4 * n, lambda: random_fp8_layer(k, n, None), k),
             "fp8 block": (n * k + 4 * n * -(-k // 128), lambda: random_fp8_layer(k, n, 128), 128),
         }
-        copies16 = max(2, min(16, math.ceil(4 * L2_BYTES / (2 * k * n))))
-        weights16 = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(copies16)]
-        layers = {fmt: [make() for _ in range(max(2, min(32, math.ceil(4 * L2_BYTES / nbytes))))]
-                  for fmt, (nbytes, make, _) in formats.items()}
+        weights16 = bf16_copies(n, k, dtype)
+        layers = {fmt: copies_beyond_l2(make, nbytes) for fmt, (nbytes, make, _) in formats.items()}
         for m in args.batch:
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             act_bytes = 2 * m * (k + n)
@@ -207,7 +216,7 @@ def w8a8_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> Non
           f"{'Triton us':>9} {'quantize us':>11}")
     for name, (k, n) in shapes.items():
         for fmt, group in (("fp8 channel", None), ("fp8 block", 128)):
-            layers = [random_fp8_layer(k, n, group) for _ in range(max(2, min(32, math.ceil(4 * L2_BYTES / (n * k)))))]
+            layers = copies_beyond_l2(lambda: random_fp8_layer(k, n, group), n * k)
             g = group or k
             for m in args.batch:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -260,9 +269,8 @@ def int4_gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -
           f"{'speedup':>8}  best sweep")
     for name, (k, n) in shapes.items():
         bytes4 = k * n // 2 + 2 * 2 * (k // group) * n
-        layers = [random_layer(k, n, group, dtype) for _ in range(max(2, min(32, math.ceil(4 * L2_BYTES / bytes4))))]
-        copies16 = max(2, min(16, math.ceil(4 * L2_BYTES / (2 * k * n))))
-        weights16 = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(copies16)]
+        layers = copies_beyond_l2(lambda: random_layer(k, n, group, dtype), bytes4)
+        weights16 = bf16_copies(n, k, dtype)
         for m in args.batch:
             x = torch.randn(m, k, device="cuda", dtype=dtype)
 
@@ -338,10 +346,8 @@ def main() -> None:
     print(f"{'layer':13} {'M':>4} {'int4 us':>8} {'bf16 us':>8} {'floor4 us':>9} {'floor16 us':>10}  best sweep")
     for name, (k, n) in shapes.items():
         bytes4 = k * n // 2 + 2 * 2 * (k // args.group_size) * n
-        copies = max(2, min(32, math.ceil(4 * L2_BYTES / bytes4)))
-        layers = [random_layer(k, n, args.group_size, dtype) for _ in range(copies)]
-        copies16 = max(2, min(16, math.ceil(4 * L2_BYTES / (2 * k * n))))
-        weights16 = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(copies16)]
+        layers = copies_beyond_l2(lambda: random_layer(k, n, args.group_size, dtype), bytes4)
+        weights16 = bf16_copies(n, k, dtype)
         for m in args.batch:
             x = torch.randn(m, k, device="cuda", dtype=dtype)
 
