@@ -54,8 +54,8 @@ CANDIDATES = [LaunchConfig(*shape) for shape in [
     (64, 64, 128, 1, 4, 3, True), (128, 256, 64, 1, 8, 3, True)]]
 # --gemv --sweep: (block_n, block_k, warps, stages) of each GEMV, each with split K chosen by
 # PROGRAMS_PER_SM and with none; the one-row and the 16-row shapes of the float8 kernel differ
-FP8_ONE_ROW_CANDIDATES = [GemvConfig(*c) for c in [(4, 512, 4, 4), (8, 512, 4, 4), (8, 1024, 4, 3), (16, 256, 4, 4),
-                                                   (16, 512, 8, 4), (4, 1024, 4, 3), (8, 256, 2, 6)]]
+FP8_ONE_ROW_CANDIDATES = [GemvConfig(*c) for c in [(4, 1024, 4, 1), (4, 1024, 4, 3), (8, 1024, 4, 1), (8, 1024, 4, 3),
+                                                   (4, 512, 4, 4), (8, 512, 8, 3), (2, 1024, 2, 3), (8, 256, 2, 6)]]
 FP8_FEW_ROWS_CANDIDATES = [GemvConfig(*c) for c in [(16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3),
                                                     (32, 256, 4, 4), (32, 128, 4, 5), (16, 256, 8, 4)]]
 
@@ -64,6 +64,12 @@ INT4_GEMV_CANDIDATES = [Int4GemvConfig(*c) for c in [(128, 128, 4, 4), (256, 128
                                                      (128, 128, 4, 6), (64, 128, 4, 4), (64, 128, 2, 6),
                                                      (256, 128, 4, 6), (512, 128, 8, 4), (128, 128, 8, 4),
                                                      (256, 128, 4, 3), (512, 128, 8, 3)]]
+
+# --int4-gemv --sweep at one row: (block_n, block_k, warps, stages, sub_words), each also with split
+# K at 2, 4, 8, 16 and 32
+INT4_ONE_ROW_CANDIDATES = [Int4GemvConfig(*c) for c in [
+    (256, 128, 4, 1, 2), (128, 128, 1, 1, 2), (256, 128, 1, 1, 4), (128, 128, 2, 1, 4), (512, 128, 4, 1, 2),
+    (512, 128, 8, 1, 2), (64, 128, 2, 1, 16), (128, 128, 4, 1, 16)]]
 
 
 def projections(config: dict) -> dict[str, tuple[int, int]]:
@@ -253,7 +259,8 @@ def check_int4_gemv() -> None:
         for m in (1, 5, 16, 19):
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             ref = int_gemm_ref(x, *args, 4, group).float()
-            for config in [None] + (INT4_GEMV_CANDIDATES if dtype == torch.bfloat16 else []):
+            candidates = INT4_ONE_ROW_CANDIDATES if m == 1 else INT4_GEMV_CANDIDATES
+            for config in [None] + (candidates if dtype == torch.bfloat16 else []):
                 for split in (None, 1, 3):
                     out = int4_gemv(x, *args, group, config=config, split_k=split).float()
                     worst = max(worst, ((out - ref).abs().max() / ref.abs().max()).item())
@@ -283,9 +290,14 @@ def int4_gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -
             t16 = graph_time([lambda w=w: F.linear(x, w) for w in weights16])
             best = ""
             if args.sweep:
-                timed = sorted([(graph_time(gemv(c, split)), str(tuple(c)), split or "auto")
-                                for c in INT4_GEMV_CANDIDATES for split in (None, 1)], key=lambda timing: timing[0])
-                best = ", ".join(f"{t * 1e6:.1f} us {c} split {sp}" for t, c, sp in timed[:3])
+                if m == 1:
+                    timed = sorted([(graph_time(gemv(c, split)), str(tuple(c)), split or "auto")
+                                    for c in INT4_ONE_ROW_CANDIDATES
+                                    for split in (None, 2, 4, 8, 16, 32)], key=lambda timing: timing[0])
+                else:
+                    timed = sorted([(graph_time(gemv(c, split)), str(tuple(c)), split or "auto")
+                                    for c in INT4_GEMV_CANDIDATES for split in (None, 1)], key=lambda timing: timing[0])
+                best = ", ".join(f"{t * 1e6:.1f} us {c} split {sp}" for t, c, sp in timed[:6])
             for key, t in (("gemv", t_gemv), ("int_gemm", t_gemm), ("bf16", t16)):
                 totals.setdefault(m, {}).setdefault(key, 0.0)
                 totals[m][key] += t
@@ -297,8 +309,9 @@ def int4_gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -
     for m, t in totals.items():
         print(f"M={m:<3d} four projections x{num_layers} layers: int4 gemv {num_layers * t['gemv'] * 1e3:.2f} ms, "
               f"int_gemm {num_layers * t['int_gemm'] * 1e3:.2f} ms, bf16 {num_layers * t['bf16'] * 1e3:.2f} ms")
-    print(f"int4 GEMV knobs: {int4_gemv_module.DEFAULT_CONFIG}; PROGRAMS_PER_SM {fp8_gemv_module.PROGRAMS_PER_SM}; "
-          f"GEMV_MAX_ROWS {int4_gemv_module.GEMV_MAX_ROWS}")
+    print(f"int4 GEMV knobs: {int4_gemv_module.DEFAULT_CONFIG} (M>1), {int4_gemv_module.ONE_ROW_CONFIG} and wide "
+          f"{int4_gemv_module.WIDE_ONE_ROW_CONFIG} (M=1, {int4_gemv_module.ONE_ROW_WARPS_PER_SM} warps per SM); "
+          f"PROGRAMS_PER_SM {fp8_gemv_module.PROGRAMS_PER_SM}; GEMV_MAX_ROWS {int4_gemv_module.GEMV_MAX_ROWS}")
 
 
 def main() -> None:

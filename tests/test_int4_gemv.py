@@ -11,7 +11,8 @@ import re
 import pytest
 import torch
 
-from nanovllm.kernels.int4_gemv import MAGIC, Int4GemvConfig, gemv_supported, int4_gemv, unpack_asm
+from nanovllm.kernels.int4_gemv import (F32_OFFSET, MAGIC, ONE_ROW_CONFIG, WIDE_ONE_ROW_CONFIG,
+                                        Int4GemvConfig, gemv_supported, int4_gemv, unpack_asm, unpack_f32_asm)
 from nanovllm.kernels.int_gemm import int_gemm_ref
 from nanovllm.quantization.int_packing import awq_for_gemm, gptq_for_gemm
 from nanovllm.utils.quantized_checkpoint import quantize_awq, quantize_gptq
@@ -54,9 +55,26 @@ def test_group_sizes_and_launch_shapes(group_size, config):
     k, n = 512, 96
     dtype = DTYPES[0]
     layer = awq_layer(k, n, group_size, dtype, seed=1)
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
-    for split_k in (None, 2):
-        out, ref = both(x, layer, group_size, config, split_k)
+    for rows in (1, 3):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+        for split_k in (None, 2):
+            out, ref = both(x, layer, group_size, config, split_k)
+            torch.testing.assert_close(out, ref, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("config", [ONE_ROW_CONFIG, WIDE_ONE_ROW_CONFIG, Int4GemvConfig(32, 128, 1, 1, sub_words=4),
+                                    Int4GemvConfig(64, 128, 2, 1, sub_words=16)],
+                         ids=["one-row", "wide", "sub4", "sub16"])
+def test_one_row_sub_steps(config):
+    """One row in sub-steps of 2, 4 or all 16 words of a step; a layer wide enough for the wide default."""
+    dtype = DTYPES[0]
+    for k, n in ((256, 200), (128, 520)):
+        layer = awq_layer(k, n, 128, dtype, seed=k)
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(n)).to(DEVICE, dtype)
+        for split_k in (None, 2):
+            out, ref = both(x, layer, 128, config, split_k)
+            torch.testing.assert_close(out, ref, **tolerance(dtype))
+        out, ref = both(x, layer, 128)
         torch.testing.assert_close(out, ref, **tolerance(dtype))
 
 
@@ -79,19 +97,25 @@ def test_magic_halves_are_offset_plus_q(dtype):
     assert torch.equal((q | bits).view(dtype).float(), q.float() + offset)
 
 
-def run_ptx(asm: str, a: int, b: int) -> list[int]:
-    """The 8 outputs of unpack_asm's program for the input words a ($8) and b ($9), unsigned 32-bit."""
+def run_ptx(asm: str, a: int, b: int = 0) -> list[int]:
+    """The 8 outputs of unpack_asm's program for the input words a ($8) and b ($9), or of
+    unpack_f32_asm's for a, unsigned 32-bit."""
     regs = {"$8": a, "$9": b}
     value = lambda operand: regs[operand] if operand in regs else int(operand, 0)
-    instructions = [re.fullmatch(r"(prmt\.b32|shr\.u32|lop3\.b32) (.+);", line.strip()) for line in asm.splitlines()]
+    instructions = [re.fullmatch(r"(prmt\.b32|shr\.u32|shr\.b32|shl\.b32|lop3\.b32) (.+);", line.strip())
+                    for line in asm.splitlines()]
+    assert sum(map(bool, instructions)) == sum(line.strip().endswith(";") for line in asm.splitlines() if
+                                               not line.strip().startswith(".reg"))   # every instruction known
     for op, operands in [m.groups() for m in instructions if m]:
         dest, *src = [t.strip() for t in operands.split(",")]
         v = [value(x) for x in src]
         if op == "prmt.b32":   # byte i of the result: byte (selector nibble i) of the 8 bytes b:a
             pool = (v[1] << 32) | v[0]
             regs[dest] = sum(((pool >> (8 * ((v[2] >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
-        elif op == "shr.u32":
+        elif op in ("shr.u32", "shr.b32"):     # logical: zeros shift in
             regs[dest] = v[0] >> v[1]
+        elif op == "shl.b32":
+            regs[dest] = (v[0] << v[1]) & 0xFFFFFFFF
         else:                  # bit j of the result: bit (a_j b_j c_j as a 3-bit number) of the table
             regs[dest] = sum(((v[3] >> (((v[0] >> j) & 1) << 2 | ((v[1] >> j) & 1) << 1 | ((v[2] >> j) & 1))) & 1) << j
                              for j in range(32))
@@ -109,6 +133,15 @@ def test_ptx_turns_two_words_into_their_rows(dtype):
             halves = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(dtype)
             expected = torch.tensor([(a >> 4 * i) & 0xF, (b >> 4 * i) & 0xF]).float() + offset
             assert torch.equal(halves.float(), expected), (hex(a), hex(b), i)
+
+
+def test_f32_ptx_turns_a_word_into_its_rows():
+    """unpack_f32_asm: row i of the word as the float32 128 + q."""
+    rng = random.Random(1)
+    for a in [0, 0xFFFFFFFF, 0x76543210, 0x89ABCDEF] + [rng.getrandbits(32) for _ in range(50)]:
+        rows = torch.tensor(run_ptx(unpack_f32_asm(), a), dtype=torch.int64).to(torch.int32).view(torch.float32)
+        expected = [((a >> 4 * i) & 0xF) + F32_OFFSET for i in range(8)]
+        assert rows.tolist() == expected, hex(a)
 
 
 def test_supported_layers():

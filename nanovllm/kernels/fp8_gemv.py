@@ -10,8 +10,9 @@ Weights w_q [N, K] float8 with float32 scales w_s [N, G]: per row (G = 1) or per
 `group_size` input columns (fp8_linear's layout of block scales). Each program streams a run of
 BLOCK_N whole weight rows along K with wide contiguous loads; when that leaves too few programs to
 keep every SM reading (small N), K is split over programs too and their float32 partial sums meet
-by atomic adds. One row (M = 1) multiplies element-wise and reduces once at the end; 2 to 16 rows
-go through a 16-row matrix-core product per tile.
+by atomic adds. One row (M = 1) multiplies element-wise and reduces once at the end, its weight
+tiles loaded num_stages steps ahead (no matrix product, so the pipelining is asked for: tl.range);
+2 to 16 rows go through a 16-row matrix-core product per tile.
 `fp8_gemv_ref` is the torch twin.
 """
 import functools
@@ -37,9 +38,9 @@ class GemvConfig(NamedTuple):
     num_stages: int
 
 
-# One row: 4 rows x 1024 bytes per step (16-byte loads; the best or within 1% of it for each 8B
-# projection on one H100, docs/benchmarks.md); more rows: the 16x16 matrix-core tile.
-ONE_ROW_CONFIG = GemvConfig(4, 1024, 4, 3)
+# One row: 8 rows x 1024 bytes per step (16-byte loads), loaded 3 steps ahead (the best single
+# launch over the 8B projections on one H100, docs/benchmarks.md); more rows: the 16x16 matrix-core tile.
+ONE_ROW_CONFIG = GemvConfig(8, 1024, 4, 3)
 FEW_ROWS_CONFIG = GemvConfig(16, 256, 4, 4)
 
 
@@ -74,7 +75,8 @@ def fp8_gemv_ref(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_si
 def _fp8_gemv_kernel(x_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K, stride_x, NUM_GROUPS, GROUP_SIZE, K_PER_SPLIT,
                      PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_STEP: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                     GROUP_STEP: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+                     ONE_ROW_STAGES: tl.constexpr = 1):
     wait_for_previous_kernel(PDL)
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -89,7 +91,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K, stride_x
         runs = tl.arange(0, BLOCK_K // GROUP_STEP)
         acc3 = tl.zeros((BLOCK_N, BLOCK_K // GROUP_STEP, GROUP_STEP), dtype=tl.float32)
         x_row = x_ptr + pid_m * stride_x
-        for k0 in range(k_start, k_end, BLOCK_K):
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=ONE_ROW_STAGES):
             kcol = k0 + runs[:, None] * GROUP_STEP + tl.arange(0, GROUP_STEP)[None, :]
             k_ok = kcol < k_end
             x = tl.load(x_row + kcol, mask=k_ok, other=0.0).to(tl.float32)[None, :, :]
@@ -165,5 +167,6 @@ def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: 
                            group_size, k_per_split, PER_GROUP=per_group, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_STEP=group_step,
                            INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
-                           num_warps=num_warps, num_stages=num_stages, **pdl_launch(x))
+                           num_warps=num_warps, num_stages=num_stages, ONE_ROW_STAGES=num_stages if block_m == 1 else 1,
+                           **pdl_launch(x))
     return out.to(x.dtype) if split_k > 1 else out

@@ -17,16 +17,20 @@ inside one group, so the scale and zero are applied once per step and column:
     sum_k x[k] W[k, n] = s[n] raw[n] - (OFFSET s[n] + z[n]) sum_k x[k],
 the step's sum of x taken by the matrix cores too (x_i @ ones: it lands in the accumulator's layout,
 and the compiler keeps one column tile of it, the others being equal).
-Rows are padded to a 16-row tile (the matrix cores' smallest). Triton's CPU interpreter runs no
-inline PTX: there the same 16-bit patterns come from integer shifts and masks (the PTX program
-itself is checked by an emulation of its instructions in tests/test_int4_gemv.py). Act-order
+Rows are padded to a 16-row tile (the matrix cores' smallest).
+One row (batch-1 decode) would waste 15 of those 16 rows, so it multiplies element-wise in float32
+instead: each word becomes its 8 rows as float32 128 + q in 15 instructions (unpack_f32_asm: a
+shift and a lop3 per row), one fused multiply-add each with x_i, and per step the scale and zero
+(with the offset's share of x) once per word and column.
+Triton's CPU interpreter runs no inline PTX: there the same values come from integer shifts and
+masks (both PTX programs are checked by an emulation of their instructions in tests/test_int4_gemv.py). Act-order
 layers (a g_idx) and 8 bits stay on int_gemm. The torch twin is int_gemm's: `int_gemm_ref`.
 """
 from typing import NamedTuple
 
 import torch
 
-from nanovllm.kernels.fp8_gemv import split_k_for
+from nanovllm.kernels.fp8_gemv import sm_count, split_k_for
 from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
 
 # The weight-only linear sends 4-bit products of at most this many rows here on CUDA (the rest to
@@ -45,10 +49,19 @@ class Int4GemvConfig(NamedTuple):
     block_k: int        # input rows per loop step (8 per word; at least 128: 16 words, the matrix cores' K)
     num_warps: int
     num_stages: int
+    sub_words: int = 16     # one row: words per sub-step (the rows of a tile each lane holds)
 
 
-# 256 columns x 16 words a step: ~2.5 SASS instructions per weight in the loop (sm_90, Triton 3.9)
+# 2-16 rows: 256 columns x 16 words a step, ~2.5 SASS instructions per weight in the loop (sm_90, Triton 3.9)
 DEFAULT_CONFIG = Int4GemvConfig(256, 128, 4, 3)
+# One row, from a sweep of the Qwen3-8B projections on one H100 (docs/benchmarks.md): 256 columns
+# in sub-steps of 2 words (each lane holds 2 rows of 8 columns, ~3.5 instructions per weight), and
+# for wide layers (columns >= 4x rows: gate_up) single-warp programs of 128 columns.
+ONE_ROW_CONFIG = Int4GemvConfig(256, 128, 4, 1, sub_words=2)
+WIDE_ONE_ROW_CONFIG = Int4GemvConfig(128, 128, 1, 1, sub_words=2)
+# One row splits K until about this many warps per SM stream the weight (the best split of each
+# projection in that sweep)
+ONE_ROW_WARPS_PER_SM = 24
 
 
 def gemv_supported(k: int, group_size: int, g_idx: torch.Tensor | None, bits: int,
@@ -72,6 +85,41 @@ def unpack_asm(magic_bits: int) -> str:
             lines.append(f"shr.u32 t, {half}, {shift};")
         lines.append(f"lop3.b32 ${i}, {'t' if shift else half}, 0x000F000F, {magic_bits * 0x10001:#010x}, 0xEA;")
     return "{\n.reg .b32 lo, hi, t;\n" + "\n".join(lines) + "\n}"
+
+
+
+# One row unpacks straight to float32: q lands in bits 16-19 under the exponent of 128.0, whose
+# float32 ulp there is 1, so the float is 128 + q (the offset of the bfloat16 path, in float32).
+F32_MAGIC, F32_OFFSET = 0x43000000, 128.0
+
+
+def unpack_f32_asm() -> str:
+    """The PTX that turns one word ($8) into its 8 rows as float32 128 + q ($0-$7): per row a shift
+    that brings nibble i to bits 16-19 (none for row 4), then one lop3, (t & 0x000F0000) | F32_MAGIC.
+    (Two rows per shift, the other's nibble in bits 12-15 under 2048.0, cost float32 precision and
+    gained nothing measurable on an H100.)"""
+    lines = []
+    for i in range(8):
+        shift = 16 - 4 * i
+        if shift:
+            lines.append(f"{'shl' if shift > 0 else 'shr'}.b32 t, $8, {abs(shift)};")
+        lines.append(f"lop3.b32 ${i}, {'t' if shift else '$8'}, 0x000F0000, {F32_MAGIC:#010x}, 0xEA;")
+    return "{\n.reg .b32 t;\n" + "\n".join(lines) + "\n}"
+
+
+@triton.jit
+def _unpack_rows_f32(words, ASM: tl.constexpr, USE_PTX: tl.constexpr):
+    """The 8 rows of each word as float32 tensors of F32_OFFSET + q."""
+    if USE_PTX:
+        return tl.inline_asm_elementwise(
+            asm=ASM, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[words],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True, pack=1)
+    else:
+        return (_row(words, 0, 0, 128.0, tl.float32), _row(words, 1, 0, 128.0, tl.float32),
+                _row(words, 2, 0, 128.0, tl.float32), _row(words, 3, 0, 128.0, tl.float32),
+                _row(words, 4, 0, 128.0, tl.float32), _row(words, 5, 0, 128.0, tl.float32),
+                _row(words, 6, 0, 128.0, tl.float32), _row(words, 7, 0, 128.0, tl.float32))
 
 
 @triton.jit
@@ -110,45 +158,73 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
                       M, N, K, stride_x, K_PER_SPLIT, NUM_SPLITS,
                       GROUP_SIZE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       ASM: tl.constexpr, MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr, USE_PTX: tl.constexpr,
-                      INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_M: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+                      SUB_WORDS: tl.constexpr = 16, F32_ASM: tl.constexpr = ""):
     wait_for_previous_kernel(PDL)
-    BLOCK_M: tl.constexpr = 16
     WORDS: tl.constexpr = BLOCK_K // 8
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
     words_in_step = tl.arange(0, WORDS)
-    x_tile = x_ptr + rows[:, None] * stride_x + tl.arange(0, BLOCK_K)[None, :]
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     dtype = x_ptr.dtype.element_ty
-    ones = tl.full((WORDS, BLOCK_N), 1.0, dtype)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        kw = k0 // 8 + words_in_step
-        words = tl.load(qweight_ptr + kw.to(tl.int64)[:, None] * N + cols[None, :], mask=col_ok[None, :], other=0)
-        raw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        x_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)   # the step's sum of x, in every column
-        w = _unpack_rows(words, ASM, MAGIC_BITS, OFFSET, USE_PTX, dtype)
-        # one contiguous load of the step's columns of x, split in registers into x_i = x[:, 8r + i]
-        x = tl.load(x_tile + k0, mask=row_ok[:, None], other=0.0)
-        by_bit0 = tl.split(tl.reshape(x, (BLOCK_M, WORDS, 2, 2, 2)))    # the last axis is bit 0 of i
-        by_bit1 = (tl.split(by_bit0[0]), tl.split(by_bit0[1]))
-        xs = ((tl.split(by_bit1[0][0]), tl.split(by_bit1[0][1])), (tl.split(by_bit1[1][0]), tl.split(by_bit1[1][1])))
-        for i in tl.static_range(8):
-            x_i = xs[i & 1][(i >> 1) & 1][i >> 2]
-            raw = tl.dot(x_i, w[i], raw, input_precision=INPUT_PRECISION)
-            # summed by the matrix cores too: already in the accumulator's layout, no cross-lane reduction
-            x_sum = tl.dot(x_i, ones, x_sum, input_precision=INPUT_PRECISION)
-        group = k0 // GROUP_SIZE
-        s = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        z = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        acc += s * raw                       # two fused multiply-adds per element
-        acc -= (OFFSET * s + z) * x_sum
+    if BLOCK_M == 1:
+        # one row: element-wise float32 products per lane (a 16-row matrix-core tile would do 16
+        # times the work), summed over the words once at the end. A step (one group or part of
+        # one) goes in sub-steps of SUB_WORDS words: each lane then holds few rows of many columns,
+        # and the x values it loads serve more columns.
+        rows = pid_m + tl.arange(0, 1)
+        sub = tl.arange(0, SUB_WORDS)
+        x_row = x_ptr + pid_m * stride_x
+        acc_words = tl.zeros((SUB_WORDS, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            raw = tl.zeros((SUB_WORDS, BLOCK_N), dtype=tl.float32)
+            x_sum = tl.zeros((SUB_WORDS,), dtype=tl.float32)
+            for j in tl.static_range(WORDS // SUB_WORDS):
+                kw = k0 // 8 + j * SUB_WORDS + sub
+                words = tl.load(qweight_ptr + kw.to(tl.int64)[:, None] * N + cols[None, :], mask=col_ok[None, :],
+                                other=0)
+                w = _unpack_rows_f32(words, F32_ASM, USE_PTX)
+                for i in tl.static_range(8):
+                    x_i = tl.load(x_row + kw * 8 + i).to(tl.float32)
+                    raw += x_i[:, None] * w[i]
+                    x_sum += x_i
+            group = k0 // GROUP_SIZE
+            s = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            z = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            acc_words += s * raw - (128.0 * s + z) * x_sum[:, None]
+        acc = tl.sum(acc_words, axis=0)[None, :]
+    else:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        x_tile = x_ptr + rows[:, None] * stride_x + tl.arange(0, BLOCK_K)[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        ones = tl.full((WORDS, BLOCK_N), 1.0, dtype)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            kw = k0 // 8 + words_in_step
+            words = tl.load(qweight_ptr + kw.to(tl.int64)[:, None] * N + cols[None, :], mask=col_ok[None, :], other=0)
+            raw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            x_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)   # the step's sum of x, in every column
+            w = _unpack_rows(words, ASM, MAGIC_BITS, OFFSET, USE_PTX, dtype)
+            # one contiguous load of the step's columns of x, split in registers into x_i = x[:, 8r + i]
+            x = tl.load(x_tile + k0, mask=row_ok[:, None], other=0.0)
+            by_bit0 = tl.split(tl.reshape(x, (BLOCK_M, WORDS, 2, 2, 2)))    # the last axis is bit 0 of i
+            by_bit1 = (tl.split(by_bit0[0]), tl.split(by_bit0[1]))
+            xs = ((tl.split(by_bit1[0][0]), tl.split(by_bit1[0][1])),
+                  (tl.split(by_bit1[1][0]), tl.split(by_bit1[1][1])))
+            for i in tl.static_range(8):
+                x_i = xs[i & 1][(i >> 1) & 1][i >> 2]
+                raw = tl.dot(x_i, w[i], raw, input_precision=INPUT_PRECISION)
+                # summed by the matrix cores too: already in the accumulator's layout, no cross-lane reduction
+                x_sum = tl.dot(x_i, ones, x_sum, input_precision=INPUT_PRECISION)
+            group = k0 // GROUP_SIZE
+            s = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            z = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            acc += s * raw                       # two fused multiply-adds per element
+            acc -= (OFFSET * s + z) * x_sum
     offsets = rows[:, None] * N + cols[None, :]
-    mask = row_ok[:, None] & col_ok[None, :]
+    mask = (rows < M)[:, None] & col_ok[None, :]
     if SPLIT:
         # the K splits of a tile add into float32 sums; the last to arrive writes the output and
         # leaves the sums and its arrival count at zero for the next call (no kernels around this one)
@@ -193,7 +269,9 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
     None, 4, config); meant for M <= GEMV_MAX_ROWS (more rows run, 16 at a time). `int_gemm_ref` is the twin."""
     m, k = x.shape
     n = qweight.shape[1]
-    block_n, block_k, num_warps, num_stages = config or DEFAULT_CONFIG
+    if config is None:
+        config = DEFAULT_CONFIG if m > 1 else WIDE_ONE_ROW_CONFIG if n >= 4 * k else ONE_ROW_CONFIG
+    block_n, block_k, num_warps, num_stages, sub_words = config
     if not gemv_supported(k, group_size, None, 4, config):
         raise ValueError(f"int4_gemv: group_size {group_size} must be at least 128, divide K = {k} and, when "
                          f"larger than block_k {block_k}, be a multiple of it; use int_gemm")
@@ -204,19 +282,24 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
     block_k = min(block_k, group_size)
     magic_bits, offset = MAGIC.get(x.dtype, (0, INTERPRETER_OFFSET))
     column_programs = triton.cdiv(n, block_n)
-    split_k = split_k or split_k_for(x, column_programs, k, block_k)
+    if split_k is None and m == 1 and x.is_cuda:
+        split_k = round(ONE_ROW_WARPS_PER_SM * sm_count(x.device) / (column_programs * num_warps))
+    split_k = max(1, min(split_k or split_k_for(x, column_programs, k, block_k), triton.cdiv(k, block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    grid = (column_programs, split_k, triton.cdiv(m, 16))
+    block_m = 1 if m == 1 else 16
+    grid = (column_programs, split_k, triton.cdiv(m, block_m))
     partial, arrivals = split_workspace(x.device, m * n, grid[0] * grid[2]) if split_k > 1 else (out, out)
     _int4_gemv_kernel[grid](x, qweight, scales, scaled_zeros, out, partial, arrivals, m, n, k, x.stride(0),
                             k_per_split, split_k, GROUP_SIZE=group_size, SPLIT=split_k > 1, BLOCK_N=block_n,
-                            BLOCK_K=block_k,
+                            BLOCK_K=block_k, BLOCK_M=block_m,
                             ASM=unpack_asm(magic_bits), MAGIC_BITS=magic_bits, OFFSET=offset,
                             USE_PTX=x.is_cuda and x.dtype in MAGIC,
                             INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+                            SUB_WORDS=min(sub_words, block_k // 8),
+                            F32_ASM=unpack_f32_asm() if block_m == 1 else "",
                             num_warps=num_warps, num_stages=num_stages, **pdl_launch(x))
     return out
