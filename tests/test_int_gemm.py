@@ -5,7 +5,8 @@ against the formats' own dequantizers."""
 import pytest
 import torch
 
-from nanovllm.kernels.int_gemm import DECODE_CONFIG, PREFILL_CONFIG, LaunchConfig, int_gemm, int_gemm_ref
+from nanovllm.kernels.int_gemm import (DECODE_CONFIG, PREFILL_CONFIG, SWAPPED_CONFIGS, LaunchConfig, int_gemm, int_gemm_ref,
+                                       launch_config)
 from nanovllm.quantization.int_packing import awq_for_gemm, dequantize_awq, dequantize_gptq, gptq_for_gemm
 from nanovllm.utils.quantized_checkpoint import act_order, quantize_awq, quantize_gptq
 
@@ -39,7 +40,7 @@ def tolerance(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40, 200, 600])     # every default launch shape
 def test_awq_layout_matches_twin(dtype, rows):
     k, n, group_size = 256, 72, 64
     layer, g_idx, _ = packed_layer("awq", k, n, group_size, dtype=dtype)
@@ -57,15 +58,18 @@ def test_gptq_layout_matches_twin(bits, group_size, desc_act, rows):
     layer, g_idx, _ = packed_layer("gptq", k, n, group_size, bits, desc_act, dtype=torch.float16, seed=bits)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7)).to(DEVICE, torch.float16)
     for unpack_by_reshape in (True, False):
-        config = (DECODE_CONFIG if rows <= 16 else PREFILL_CONFIG)._replace(unpack_by_reshape=unpack_by_reshape)
+        config = launch_config(rows)._replace(unpack_by_reshape=unpack_by_reshape)
         out, ref = run_both(x, layer, bits, group_size, g_idx, config)
         torch.testing.assert_close(out, ref, **tolerance(torch.float16))
 
 
-@pytest.mark.parametrize("config", [DECODE_CONFIG, PREFILL_CONFIG, LaunchConfig(16, 32, 32, 3, 4, 2, False),
-                                    LaunchConfig(32, 16, 16, 1, 4, 2, False), LaunchConfig(16, 16, 64, 2, 4, 2, True)])
+@pytest.mark.parametrize("config", [DECODE_CONFIG, PREFILL_CONFIG, *(c for _, c in SWAPPED_CONFIGS),
+                                    LaunchConfig(16, 32, 32, 3, 4, 2, False), LaunchConfig(32, 16, 16, 1, 4, 2, False),
+                                    LaunchConfig(16, 16, 64, 2, 4, 2, True), LaunchConfig(16, 16, 16, 3, 4, 2, False, True),
+                                    PREFILL_CONFIG._replace(swapped=False)])
 def test_every_launch_shape_agrees(config):
-    """Split-K (atomic float32 partial sums) and single-program K loops, tiles smaller than a group."""
+    """Split-K (atomic float32 partial sums) and single-program K loops, tiles smaller than a group,
+    plain and swapped (out^T = W^T x^T)."""
     k, n, group_size = 192, 48, 32
     layer, g_idx, _ = packed_layer("awq", k, n, group_size)
     layer = {name: t.to(WIDE) if t.is_floating_point() else t for name, t in layer.items()}

@@ -8,10 +8,11 @@ One layout serves AWQ and GPTQ (both are repacked into it once, after loading):
 - the group g of input row k: k // group_size, or g_idx[k] for GPTQ act-order checkpoints, whose
   groups are not runs of rows (the tile then gathers its scales row by row).
 
-Two launch shapes of one kernel. Decode (a few rows): the product is bound by reading the weight
+Launch shapes of one kernel. Decode (a few rows): the product is bound by reading the weight
 bytes, so the K dimension is split over programs (SPLIT_K) to put every SM on the weight stream,
-and the partial products meet in a float32 buffer by atomic adds. Prefill: a tile of the weight is
-dequantized to the activation dtype and fed to the tensor cores, K walked by one program.
+and the partial products meet in a float32 buffer by atomic adds. More rows: a tile of the weight
+is dequantized to the activation dtype and fed to the tensor cores, swapped (out^T = W^T x^T, the
+weight tile as the register operand) from 17 rows, K walked by one program or two.
 """
 from typing import NamedTuple
 
@@ -43,13 +44,14 @@ def _int_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_p
                      BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
-                     UNPACK_BY_RESHAPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                     UNPACK_BY_RESHAPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, SWAPPED: tl.constexpr = False):
     PER_WORD: tl.constexpr = 32 // BITS
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_start = split * K_PER_SPLIT
     for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -81,7 +83,12 @@ def _int_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_p
             s = tl.load(scales_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             z = tl.load(zeros_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         w = (q.to(tl.float32) * s - z).to(x.dtype)
-        acc += tl.dot(x, w, input_precision=INPUT_PRECISION)
+        if SWAPPED:
+            acc_t = tl.dot(tl.trans(w), tl.trans(x), acc_t, input_precision=INPUT_PRECISION)
+        else:
+            acc += tl.dot(x, w, input_precision=INPUT_PRECISION)
+    if SWAPPED:
+        acc = tl.trans(acc_t)
     out = out_ptr + rows[:, None] * N + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K > 1:
@@ -98,14 +105,30 @@ class LaunchConfig(NamedTuple):
     num_warps: int
     num_stages: int
     unpack_by_reshape: bool  # load each word once and spread its rows, or load it once per row
+    swapped: bool = False    # out^T = W^T x^T: the dequantized weight feeds the matrix cores from registers
 
 
-# Chosen by scripts/int_gemm_bench.py --sweep on an H100 (Qwen3-8B projections, bfloat16): the
-# decode shape was the fastest at 1 and 16 rows for three of the four projections (second for
-# gate_up); the prefill shape the fastest at 256 rows for qkv, o and down (gate_up: 64x128x64).
+# Chosen by sweeps on an H100 (Qwen3-8B projections, 4 bits, group 128, bfloat16; docs/benchmarks.md).
+# Up to 16 rows the decode shape (4-bit layers without act order take int4_gemv there). From 17 rows
+# the product runs swapped, out^T = W^T x^T: the dequantized weight tile is the matrix cores'
+# register operand and never goes through shared memory (the plain shapes stored it 16 bits at a
+# time); the shape grows with the rows, the first that covers them: four projections of 36 layers
+# took 6.41 / 7.91 / 11.40 / 14.47 / 30.48 ms at 32 / 64 / 128 / 256 / 1024 rows, against 9.41 /
+# 9.44 / 11.78 / 17.35 / 61.87 for the plain 64x64 tile.
 DECODE_MAX_ROWS = 16
 DECODE_CONFIG = LaunchConfig(16, 64, 128, 4, 4, 4, True)
-PREFILL_CONFIG = LaunchConfig(64, 64, 128, 1, 4, 3, True)
+SWAPPED_CONFIGS = [(48, LaunchConfig(32, 64, 128, 2, 4, 3, True, True)),
+                   (96, LaunchConfig(64, 64, 128, 2, 4, 3, True, True)),
+                   (192, LaunchConfig(64, 64, 128, 1, 4, 3, True, True)),
+                   (512, LaunchConfig(128, 64, 128, 1, 4, 3, True, True))]
+PREFILL_CONFIG = LaunchConfig(256, 128, 64, 1, 8, 3, True, True)
+
+
+def launch_config(m: int) -> LaunchConfig:
+    """The launch shape for m rows."""
+    if m <= DECODE_MAX_ROWS:
+        return DECODE_CONFIG
+    return next((config for most_rows, config in SWAPPED_CONFIGS if m <= most_rows), PREFILL_CONFIG)
 
 
 def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,
@@ -117,8 +140,7 @@ def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scale
         raise TypeError("int_gemm: x must be float16 or bfloat16 on CUDA; use int_gemm_ref for float32")
     m, k = x.shape
     n = qweight.shape[1]
-    block_m, block_n, block_k, split_k, num_warps, num_stages, by_reshape = config or (
-        DECODE_CONFIG if m <= DECODE_MAX_ROWS else PREFILL_CONFIG)
+    block_m, block_n, block_k, split_k, num_warps, num_stages, by_reshape, swapped = config or launch_config(m)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     split_k = max(1, min(split_k, k // block_k))
@@ -131,6 +153,6 @@ def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scale
                            BITS=bits, GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None,
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                            K_PER_SPLIT=k_per_split, ONE_GROUP_PER_TILE=one_group,
-                           UNPACK_BY_RESHAPE=by_reshape, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+                           UNPACK_BY_RESHAPE=by_reshape, SWAPPED=swapped, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
                            num_warps=num_warps, num_stages=num_stages)
     return out.to(x.dtype) if split_k > 1 else out
