@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 
+from nanovllm.kernels import int4_gemv as int4_gemv_module
 from nanovllm.kernels.int4_gemv import (F32_OFFSET, MAGIC, ONE_ROW_CONFIG, WIDE_ONE_ROW_CONFIG,
                                         Int4GemvConfig, gemv_supported, int4_gemv, unpack_asm, unpack_f32_asm)
 from nanovllm.kernels.int_gemm import int_gemm_ref
@@ -51,11 +52,13 @@ def test_matches_twin(dtype, rows):
 @pytest.mark.parametrize("group_size,config", [(256, Int4GemvConfig(64, 128, 4, 2)),      # two steps per group
                                                (256, Int4GemvConfig(32, 256, 2, 3)),      # one step per group
                                                (512, Int4GemvConfig(128, 128, 4, 2))])    # one group: per channel
-def test_group_sizes_and_launch_shapes(group_size, config):
+def test_group_sizes_and_launch_shapes(group_size, config, monkeypatch):
+    """Also one row, both ways: the 16-row tile (a layer this small) and element-wise."""
     k, n = 512, 96
     dtype = DTYPES[0]
     layer = awq_layer(k, n, group_size, dtype, seed=1)
-    for rows in (1, 3):
+    for rows, min_weights in ((1, int4_gemv_module.ONE_ROW_MIN_WEIGHTS), (1, 0), (3, 0)):
+        monkeypatch.setattr(int4_gemv_module, "ONE_ROW_MIN_WEIGHTS", min_weights)
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
         for split_k in (None, 2):
             out, ref = both(x, layer, group_size, config, split_k)
@@ -65,8 +68,10 @@ def test_group_sizes_and_launch_shapes(group_size, config):
 @pytest.mark.parametrize("config", [ONE_ROW_CONFIG, WIDE_ONE_ROW_CONFIG, Int4GemvConfig(32, 128, 1, 1, sub_words=4),
                                     Int4GemvConfig(64, 128, 2, 1, sub_words=16)],
                          ids=["one-row", "wide", "sub4", "sub16"])
-def test_one_row_sub_steps(config):
-    """One row in sub-steps of 2, 4 or all 16 words of a step; a layer wide enough for the wide default."""
+def test_one_row_sub_steps(config, monkeypatch):
+    """One row element-wise (here for layers of any size) in sub-steps of 2, 4 or all 16 words of a
+    step; a layer wide enough for the wide default."""
+    monkeypatch.setattr(int4_gemv_module, "ONE_ROW_MIN_WEIGHTS", 0)
     dtype = DTYPES[0]
     for k, n in ((256, 200), (128, 520)):
         layer = awq_layer(k, n, 128, dtype, seed=k)

@@ -62,6 +62,10 @@ WIDE_ONE_ROW_CONFIG = Int4GemvConfig(128, 128, 1, 1, sub_words=2)
 # One row splits K until about this many warps per SM stream the weight (the best split of each
 # projection in that sweep)
 ONE_ROW_WARPS_PER_SM = 24
+# Below this many weights a layer's K and N leave the element-wise programs too few warps, and one
+# row takes the 16-row tile too: on one H100 the element-wise path won from 15M weights (Qwen3-4B's
+# qkv_proj) up and lost or tied at 12M and below (Qwen3-0.6B and 1.7B projections, docs/benchmarks.md)
+ONE_ROW_MIN_WEIGHTS = 14 << 20
 
 
 def gemv_supported(k: int, group_size: int, g_idx: torch.Tensor | None, bits: int,
@@ -269,8 +273,9 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
     None, 4, config); meant for M <= GEMV_MAX_ROWS (more rows run, 16 at a time). `int_gemm_ref` is the twin."""
     m, k = x.shape
     n = qweight.shape[1]
+    one_row = m == 1 and k * n >= ONE_ROW_MIN_WEIGHTS
     if config is None:
-        config = DEFAULT_CONFIG if m > 1 else WIDE_ONE_ROW_CONFIG if n >= 4 * k else ONE_ROW_CONFIG
+        config = (WIDE_ONE_ROW_CONFIG if n >= 4 * k else ONE_ROW_CONFIG) if one_row else DEFAULT_CONFIG
     block_n, block_k, num_warps, num_stages, sub_words = config
     if not gemv_supported(k, group_size, None, 4, config):
         raise ValueError(f"int4_gemv: group_size {group_size} must be at least 128, divide K = {k} and, when "
@@ -282,7 +287,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
     block_k = min(block_k, group_size)
     magic_bits, offset = MAGIC.get(x.dtype, (0, INTERPRETER_OFFSET))
     column_programs = triton.cdiv(n, block_n)
-    if split_k is None and m == 1 and x.is_cuda:
+    if split_k is None and one_row and x.is_cuda:
         split_k = round(ONE_ROW_WARPS_PER_SM * sm_count(x.device) / (column_programs * num_warps))
     split_k = max(1, min(split_k or split_k_for(x, column_programs, k, block_k), triton.cdiv(k, block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
@@ -290,7 +295,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_m = 1 if m == 1 else 16
+    block_m = 1 if one_row else 16
     grid = (column_programs, split_k, triton.cdiv(m, block_m))
     partial, arrivals = split_workspace(x.device, m * n, grid[0] * grid[2]) if split_k > 1 else (out, out)
     _int4_gemv_kernel[grid](x, qweight, scales, scaled_zeros, out, partial, arrivals, m, n, k, x.stride(0),
