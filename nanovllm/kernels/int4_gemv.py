@@ -35,7 +35,8 @@ from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_prev
 
 # The weight-only linear sends 4-bit products of at most this many rows here on CUDA (the rest to
 # int_gemm). Measured on one H100 (`scripts/int_gemm_bench.py --int4-gemv`, Qwen3-8B projections of
-# 36 layers, docs/benchmarks.md): 2.82 ms against int_gemm's 4.46 at one row, 4.11 against 4.69 at 16.
+# 36 layers, docs/benchmarks.md): 2.82 ms (the 16-row tile; element-wise now 2.15) against int_gemm's
+# 4.46 at one row, 4.11 against 4.69 at 16.
 GEMV_MAX_ROWS = 16
 
 # The 16-bit float whose halves the unpacking writes q into: bit pattern and value, by activation dtype.
