@@ -51,7 +51,7 @@ def _int_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_p
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)     # SWAPPED: out^T, summed as W^T x^T
     k_start = split * K_PER_SPLIT
     for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -83,7 +83,7 @@ def _int_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_p
             s = tl.load(scales_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             z = tl.load(zeros_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         w = (q.to(tl.float32) * s - z).to(x.dtype)
-        if SWAPPED:
+        if SWAPPED:     # the weight tile the register operand: it skips shared memory
             acc_t = tl.dot(tl.trans(w), tl.trans(x), acc_t, input_precision=INPUT_PRECISION)
         else:
             acc += tl.dot(x, w, input_precision=INPUT_PRECISION)
@@ -153,6 +153,7 @@ def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scale
                            BITS=bits, GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None,
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                            K_PER_SPLIT=k_per_split, ONE_GROUP_PER_TILE=one_group,
-                           UNPACK_BY_RESHAPE=by_reshape, SWAPPED=swapped, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+                           UNPACK_BY_RESHAPE=by_reshape, SWAPPED=swapped,
+                           INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
                            num_warps=num_warps, num_stages=num_stages)
     return out.to(x.dtype) if split_k > 1 else out
