@@ -326,34 +326,25 @@ def main() -> None:
     parser.add_argument("--w8a8", action="store_true", help="float8 GEMMs (quantized activations) at decode sizes")
     parser.add_argument("--int4-gemv", action="store_true", help="the 4-bit GEMV against int_gemm and bf16")
     args = parser.parse_args()
-    if args.w8a8:
-        args.batch = args.batch or [16, 32, 64, 96, 128, 160, 192, 224, 256, 512]
-        with open(args.config) as f:
-            model = json.load(f)
-        w8a8_table(args, projections(model), model["num_hidden_layers"])
-        return
-    if args.programs_per_sm:
-        fp8_gemv_module.PROGRAMS_PER_SM = args.programs_per_sm
-    if args.gemv:
-        args.batch = args.batch or [1, 2, 4, 8, 16]
-        with open(args.config) as f:
-            model = json.load(f)
-        check_gemv()
-        gemv_table(args, projections(model), model["num_hidden_layers"])
-        return
-    if args.int4_gemv:
-        args.batch = args.batch or [1, 2, 4, 8, 16]
-        with open(args.config) as f:
-            model = json.load(f)
-        check_int4_gemv()
-        int4_gemv_table(args, projections(model), model["num_hidden_layers"])
-        return
-    args.batch = args.batch or [1, 16, 256]
-    for dtype in (torch.bfloat16, torch.float16):
-        check(dtype)
     with open(args.config) as f:
         model = json.load(f)
     shapes = projections(model)
+    if args.programs_per_sm:
+        fp8_gemv_module.PROGRAMS_PER_SM = args.programs_per_sm
+    # mode -> (default rows, the kernels' check against their twins, the timing table)
+    modes = {"w8a8": ([16, 32, 64, 96, 128, 160, 192, 224, 256, 512], None, w8a8_table),
+             "gemv": ([1, 2, 4, 8, 16], check_gemv, gemv_table),
+             "int4_gemv": ([1, 2, 4, 8, 16], check_int4_gemv, int4_gemv_table)}
+    for mode, (rows, check_kernels, table) in modes.items():
+        if getattr(args, mode):
+            args.batch = args.batch or rows
+            if check_kernels:
+                check_kernels()
+            table(args, shapes, model["num_hidden_layers"])
+            return
+    args.batch = args.batch or [1, 16, 256]
+    for dtype in (torch.bfloat16, torch.float16):
+        check(dtype)
     dtype = torch.bfloat16
     totals = {}
     print(f"{'layer':13} {'M':>4} {'int4 us':>8} {'bf16 us':>8} {'floor4 us':>9} {'floor16 us':>10}  best sweep")

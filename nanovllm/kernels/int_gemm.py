@@ -50,8 +50,10 @@ def _int_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_p
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)     # SWAPPED: out^T, summed as W^T x^T
+    if SWAPPED:     # out^T, summed as W^T x^T
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = split * K_PER_SPLIT
     for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -84,11 +86,11 @@ def _int_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_p
             z = tl.load(zeros_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         w = (q.to(tl.float32) * s - z).to(x.dtype)
         if SWAPPED:     # the weight tile the register operand: it skips shared memory
-            acc_t = tl.dot(tl.trans(w), tl.trans(x), acc_t, input_precision=INPUT_PRECISION)
+            acc = tl.dot(tl.trans(w), tl.trans(x), acc, input_precision=INPUT_PRECISION)
         else:
             acc += tl.dot(x, w, input_precision=INPUT_PRECISION)
     if SWAPPED:
-        acc = tl.trans(acc_t)
+        acc = tl.trans(acc)
     out = out_ptr + rows[:, None] * N + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K > 1:
