@@ -84,3 +84,22 @@ def test_fp8_linear_takes_the_gemv_up_to_its_row_limit():
             close(y, fp8_gemv_ref(x, w_q, w_s, 128))
         else:
             close(y, fp8_matmul_ref(*quantize_activation_ref(x, 128), w_q, w_s, 128, torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("n, k, group, bias", [(2 * 37, 200, 200, True), (2 * 40, 320, 128, False)])
+def test_fp8_gemv_gated_is_the_product_then_silu_and_mul(dtype, rows, n, k, group, bias):
+    """gated=True: silu(gate) * up from the epilogue, bit for bit the unfused GEMV followed by the
+    silu_and_mul kernel (both round where the 16-bit layer would), and close to the twins."""
+    from nanovllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+    w_q, w_s = fp8_weight(n, k, group, seed=n + k)
+    x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 2).to(DEVICE, dtype)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype) if bias else None
+    for config in (ONE_ROW_CONFIG if rows == 1 else FEW_ROWS_CONFIG, SMALL):
+        fused = fp8_gemv(x, w_q, w_s, group, b, config=config, split_k=1, gated=True)
+        assert fused.shape == (rows, n // 2) and fused.dtype == dtype
+        torch.testing.assert_close(fused, silu_and_mul(fp8_gemv(x, w_q, w_s, group, b, config=config, split_k=1)),
+                                   rtol=0, atol=0)
+        close(fused, silu_and_mul_ref(fp8_gemv_ref(x, w_q, w_s, group, b)))
+    assert fp8_gemv(x, w_q, w_s, group, b, config=SMALL, split_k=2, gated=True) is None   # split sums: no epilogue

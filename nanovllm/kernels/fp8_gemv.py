@@ -76,11 +76,16 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K, stride_x
                      PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_STEP: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-                     ONE_ROW_STAGES: tl.constexpr = 1):
+                     ONE_ROW_STAGES: tl.constexpr = 1, GATED: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    if GATED:   # weight rows alternate gate j, up j (N // 2 apart) for the program's BLOCK_N // 2 outputs j
+        i = tl.arange(0, BLOCK_N)
+        col_ok = pid_n * (BLOCK_N // 2) + i // 2 < N // 2
+        cols = pid_n * (BLOCK_N // 2) + i // 2 + (i % 2) * (N // 2)
+    else:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
@@ -126,6 +131,15 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K, stride_x
     if HAS_BIAS:    # added once: by the first K split
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
+    if GATED:   # silu(gate) * up, each rounded where the unfused layer and silu_and_mul round
+        gate, up = tl.split(tl.reshape(acc, (acc.shape[0], BLOCK_N // 2, 2)))
+        dtype = out_ptr.dtype.element_ty
+        gate = gate.to(dtype).to(tl.float32)
+        y = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+        out_cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + rows[:, None] * (N // 2) + out_cols[None, :], y.to(dtype),
+                 mask=(rows < M)[:, None] & (out_cols < N // 2)[None, :])
+        return
     out = out_ptr + rows[:, None] * N + cols[None, :]
     mask = (rows < M)[:, None] & col_ok[None, :]
     if SPLIT:
@@ -136,10 +150,13 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K, stride_x
 
 def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
              bias: torch.Tensor | None = None, config: GemvConfig | None = None,
-             split_k: int | None = None) -> torch.Tensor:
+             split_k: int | None = None, gated: bool = False) -> torch.Tensor | None:
     """The Triton twin of `fp8_gemv_ref`: x [M, K] (last dimension contiguous), w_q [N, K] contiguous,
     w_s [N, G]; with G > 1, group_size is a power of two of at least 16 and K's groups are
-    ceil(K / group_size). Meant for M <= GEMV_MAX_ROWS; larger M runs, in tiles of 16 rows."""
+    ceil(K / group_size). Meant for M <= GEMV_MAX_ROWS; larger M runs, in tiles of 16 rows.
+    gated: w_q is a merged [gate; up] matrix and the result is silu(gate) * up [M, N // 2], rounded
+    as silu_and_mul of the 16-bit product would be; None when K would be split (the sums then meet
+    by atomic adds, after which no program sees a finished gate and up)."""
     m, k = x.shape
     n = w_q.shape[0]
     groups = w_s.shape[1]
@@ -154,12 +171,21 @@ def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: 
     group_step = min(block_k, group_size) if per_group else block_k
     if block_m > 1:
         block_k = group_step
-    column_programs = triton.cdiv(n, block_n)
+    programs = lambda rows: triton.cdiv(n // 2, rows // 2) if gated else triton.cdiv(n, rows)
+    # one row of a small layer: half as many rows per program before splitting K (a split costs
+    # two kernels more; Qwen3-30B-A3B's o_proj, 2048 x 4096)
+    while config is None and m == 1 and x.is_cuda and block_n > 4 and not split_k and \
+            split_k_for(x, programs(block_n), k, block_k) > 1:
+        block_n //= 2
+    column_programs = programs(block_n)
     split_k = split_k or split_k_for(x, column_programs, k, block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
-    out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k > 1 else \
-        torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if gated and split_k > 1:
+        return None
+    out_n = n // 2 if gated else n
+    out = torch.zeros(m, out_n, dtype=torch.float32, device=x.device) if split_k > 1 else \
+        torch.empty(m, out_n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.to(x.dtype)
     grid = (column_programs, split_k, m if block_m == 1 else triton.cdiv(m, block_m))
@@ -168,5 +194,5 @@ def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: 
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_STEP=group_step,
                            INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
                            num_warps=num_warps, num_stages=num_stages, ONE_ROW_STAGES=num_stages if block_m == 1 else 1,
-                           **pdl_launch(x))
+                           GATED=gated, **pdl_launch(x))
     return out.to(x.dtype) if split_k > 1 else out

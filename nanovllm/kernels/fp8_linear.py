@@ -300,6 +300,18 @@ def fp8_linear(x: torch.Tensor | QuantizedActivation, w_q: torch.Tensor, w_s: to
     return y.reshape(*shape[:-1], y.shape[-1])
 
 
+def fp8_linear_silu_and_mul(x: torch.Tensor | QuantizedActivation, w_q: torch.Tensor, w_s: torch.Tensor,
+                            group_size: int, input_scale: torch.Tensor | None = None,
+                            bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """silu(gate) * up of a merged [gate; up] layer, from the GEMV's epilogue, where fp8_linear would
+    take the GEMV path (and the GEMV does not split K); None elsewhere: the caller then runs the
+    layer and silu_and_mul apart. Saves a kernel launch and a round trip of gate and up per layer."""
+    if (isinstance(x, QuantizedActivation) or not x.is_cuda or x.dim() != 2 or x.shape[0] > GEMV_MAX_ROWS
+            or input_scale is not None or x.dtype == torch.float32):
+        return None
+    return fp8_gemv(x.contiguous() if x.stride(-1) != 1 else x, w_q, w_s, group_size, bias, gated=True)
+
+
 def fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
              out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The float8 product on CUDA by the fastest measured route: decode batches transposed, larger

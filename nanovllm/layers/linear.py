@@ -102,6 +102,11 @@ class MergedColumnParallelLinear(LinearBase):
         offset = sum(self.output_sizes[:shard_id])
         load_shard(param, loaded, out=(self.tp_rank * size, offset, size), shard_index=shard_id)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this [gate; up] layer where its method computes it in the same kernel
+        (one-row float8 GEMVs); None otherwise."""
+        return self.quant_method.apply_silu_and_mul(self, x, self.bias)
+
 
 class QKVParallelLinear(LinearBase):
     """Query, key and value projections as one matrix, split by heads. With more ranks than KV

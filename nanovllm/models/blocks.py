@@ -71,7 +71,10 @@ class GatedMLP(nn.Module):
         fuse_input_quantization(self.act_fn, self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        activation = self.gate_up_proj.silu_and_mul(x)     # fused where the layer's kernel can
+        if activation is None:
+            activation = self.act_fn(self.gate_up_proj(x))
+        return self.down_proj(activation)
 
 
 class DecoderLayer(nn.Module):

@@ -78,6 +78,12 @@ class LinearMethod:
     def fused_input_group_size(self, layer: nn.Module) -> int | None:
         return None
 
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """silu(gate) * up of a merged [gate; up] layer computed by its own kernel, or None where the
+        method has no such kernel for x (the caller then runs apply and silu_and_mul)."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """A 16-bit (or 32-bit) weight [out, in], multiplied by torch."""

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX
-from nanovllm.kernels.fp8_linear import dequantize_ref, fp8_linear
+from nanovllm.kernels.fp8_linear import dequantize_ref, fp8_linear, fp8_linear_silu_and_mul
 from nanovllm.quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod, shard_param
 
 # a weight row of zeros still gets a usable scale
@@ -126,7 +126,22 @@ def fp8_weight(output_size: int, input_size: int) -> nn.Parameter:
     return shard_param(torch.empty(output_size, input_size, dtype=FP8_DTYPE), output_dim=0, input_dim=1)
 
 
-class Fp8BlockLinearMethod(LinearMethod):
+class Fp8LinearMethod(LinearMethod):
+    """What the float8 layouts share: each names its operands for fp8_linear (the float8 weight,
+    its scales in fp8_linear's layout, the group size those scales cover, a static input scale)."""
+
+    def operands(self, layer) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def apply(self, layer, x, bias=None):
+        weight, scale, group_size, input_scale = self.operands(layer)
+        return fp8_linear(x, weight, scale, group_size, input_scale=input_scale, bias=bias)
+
+    def apply_silu_and_mul(self, layer, x, bias=None):
+        return fp8_linear_silu_and_mul(x, *self.operands(layer), bias=bias)
+
+
+class Fp8BlockLinearMethod(Fp8LinearMethod):
     def __init__(self, block_size: tuple[int, int]):
         self.block_n, self.block_k = block_size
 
@@ -139,14 +154,14 @@ class Fp8BlockLinearMethod(LinearMethod):
                                              output_dim=0, input_dim=1, units={1: self.block_k},
                                              checkpoint_units={0: self.block_n, 1: self.block_k})
 
-    def apply(self, layer, x, bias=None):
-        return fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.fp8_group_size, bias=bias)
+    def operands(self, layer):
+        return layer.weight, layer.weight_scale_inv, layer.fp8_group_size, None
 
     def fused_input_group_size(self, layer):
         return layer.fp8_group_size
 
 
-class Fp8TensorLinearMethod(LinearMethod):
+class Fp8TensorLinearMethod(Fp8LinearMethod):
     """One scale per checkpoint tensor (per part of a merged matrix), folded into per-row scales."""
 
     def __init__(self, static_input: bool):
@@ -165,23 +180,22 @@ class Fp8TensorLinearMethod(LinearMethod):
         if self.static_input:   # one scale for the merged input: the parts' largest clips nothing
             layer.input_scale = nn.Parameter(layer.input_scale.data.amax().reshape(1), requires_grad=False)
 
-    def apply(self, layer, x, bias=None):
-        return fp8_linear(x, layer.weight, layer.weight_scale, layer.input_size,
-                          input_scale=layer.input_scale if self.static_input else None, bias=bias)
+    def operands(self, layer):
+        return layer.weight, layer.weight_scale, layer.input_size, layer.input_scale if self.static_input else None
 
     def fused_input_group_size(self, layer):
         return None if self.static_input else layer.input_size
 
 
-class Fp8ChannelLinearMethod(LinearMethod):
+class Fp8ChannelLinearMethod(Fp8LinearMethod):
     """One scale per output row, `weight_scale` [out, 1] (compressed-tensors' channel strategy)."""
 
     def create_weights(self, layer, input_size, output_sizes, dtype):
         layer.weight = fp8_weight(sum(output_sizes), input_size)
         layer.weight_scale = shard_param(torch.empty(sum(output_sizes), 1, dtype=torch.float32), output_dim=0)
 
-    def apply(self, layer, x, bias=None):
-        return fp8_linear(x, layer.weight, layer.weight_scale, layer.input_size, bias=bias)
+    def operands(self, layer):
+        return layer.weight, layer.weight_scale, layer.input_size, None
 
     def fused_input_group_size(self, layer):
         return layer.input_size
