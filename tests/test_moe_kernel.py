@@ -8,8 +8,8 @@ never writes fails.
 import pytest
 import torch
 
-from nanovllm.kernels.fused_moe import (DECODE_TILE, PREFILL_TILE, MoeTile, align_tokens_to_experts,
-                                        choose_tile, fused_moe, fused_moe_ref)
+from nanovllm.kernels.fused_moe import DECODE_TILE, PREFILL_TILE, MoeTile, choose_tile, fused_moe, fused_moe_ref
+from nanovllm.kernels.moe_routing import align_tokens_kernel, align_tokens_to_experts_ref
 from nanovllm.kernels.triton_compat import HAS_TRITON
 
 CUDA = torch.cuda.is_available()
@@ -76,9 +76,13 @@ def moe_inputs(num_tokens: int, hidden: int, intermediate: int, num_experts: int
 
 # ---------------------------------------------------------------- alignment
 
-def test_align_hand_counted():
+ALIGNS = pytest.mark.parametrize("align", [align_tokens_to_experts_ref, align_tokens_kernel], ids=["twin", "kernel"])
+
+
+@ALIGNS
+def test_align_hand_counted(align):
     topk_ids = torch.tensor([[1, 3], [3, 2], [3, 1], [1, 0]])      # assignments 0..7 = token * 2 + k
-    sorted_ids, expert_ids, end = align_tokens_to_experts(topk_ids, block_m=2, num_experts=5)
+    sorted_ids, expert_ids, end = (t.cpu() for t in align(topk_ids.to(DEVICE), block_m=2, num_experts=5))
     # expert 0: [7] + pad; expert 1: [0, 5, 6] + pad; expert 2: [3] + pad; expert 3: [1, 2, 4] + pad; expert 4: none
     pad = 8
     expected = [7, pad, 0, 5, 6, pad, 3, pad, 1, 2, 4, pad]
@@ -92,9 +96,10 @@ def test_align_hand_counted():
 
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [(1, 1, 4, 16), (1, 8, 128, 16), (37, 2, 8, 16),
                                                                   (300, 8, 16, 64), (5, 8, 8, 4)])
-def test_align_groups_every_assignment_once_in_single_expert_tiles(num_tokens, top_k, num_experts, block_m):
+@ALIGNS
+def test_align_groups_every_assignment_once_in_single_expert_tiles(num_tokens, top_k, num_experts, block_m, align):
     topk_ids = routing("random", num_tokens, num_experts, top_k, seed=num_tokens)
-    sorted_ids, expert_ids, end = align_tokens_to_experts(topk_ids, block_m, num_experts)
+    sorted_ids, expert_ids, end = (t.cpu() for t in align(topk_ids.to(DEVICE), block_m, num_experts))
     n, end = num_tokens * top_k, int(end)
     counts = torch.bincount(topk_ids.flatten(), minlength=num_experts)
     assert end == int(((counts + block_m - 1) // block_m * block_m).sum())
@@ -110,6 +115,16 @@ def test_align_groups_every_assignment_once_in_single_expert_tiles(num_tokens, t
         assert len(real) > 0 and (flat[real] == expert).all()                      # one expert per tile
         assert ids[:len(real)].tolist() == real.tolist()                            # padding only at the end
         assert real.tolist() == sorted(real.tolist())                               # stable: token order
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [(1, 8, 128, 16), (64, 8, 128, 16), (300, 2, 6, 64)])
+def test_align_kernel_equals_twin(num_tokens, top_k, num_experts, block_m):
+    """Same slots, tiles and end as the twin's stable sort, skewed routing included."""
+    for pattern_ids in (routing("random", num_tokens, num_experts, top_k, seed=7),
+                        torch.randint(0, 3, (num_tokens, top_k), generator=torch.Generator().manual_seed(8))):
+        for got, want in zip(align_tokens_kernel(pattern_ids.to(DEVICE), block_m, num_experts),
+                             align_tokens_to_experts_ref(pattern_ids.to(DEVICE), block_m, num_experts)):
+            assert torch.equal(got, want)
 
 
 def test_choose_tile_by_assignments_per_expert():

@@ -7,8 +7,11 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from torch import nn
 
-from nanovllm.layers.moe import SparseMoeBlock, expert_checkpoint_names, route
+from nanovllm.kernels.moe_routing import route, route_ref
+from nanovllm.layers.moe import SparseMoeBlock, expert_checkpoint_names
 from nanovllm.utils.loader import checkpoint_names
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"     # the route kernel's; the CPU runs Triton's interpreter
 
 
 def hf_block(norm_topk_prob: bool, num_experts: int = 8, top_k: int = 2) -> Qwen3MoeSparseMoeBlock:
@@ -64,15 +67,31 @@ def test_expert_names_map_to_stacked_params():
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_route_matches_transformers_router(norm_topk_prob):
+@pytest.mark.parametrize("routing", [route_ref, route], ids=["twin", "kernel"])
+def test_route_matches_transformers_router(norm_topk_prob, routing):
+    """The twin and the kernel (Triton's interpreter on the CPU) against transformers' router."""
     block = hf_block(norm_topk_prob)
     x = torch.randn(50, 32)
     _, hf_weights, hf_ids = block.gate(x)
-    weights, ids = route(x @ block.gate.weight.T, 2, norm_topk_prob)
+    device = DEVICE if routing is route else "cpu"
+    weights, ids = (t.cpu() for t in routing((x @ block.gate.weight.T).to(device), 2, norm_topk_prob, torch.float32))
     assert torch.equal(ids, hf_ids)
     torch.testing.assert_close(weights, hf_weights.float())
     sums = weights.sum(-1)
     assert torch.allclose(sums, torch.ones(50)) if norm_topk_prob else (sums < 1).all()
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,dtype", [(1, 128, 8, torch.float16), (37, 60, 4, torch.float32),
+                                                                 (5, 8, 8, torch.float16)])
+def test_route_kernel_matches_twin(num_tokens, num_experts, top_k, dtype):
+    """Qwen3-30B-A3B's 128 experts, a count that is no power of two, top-k of all: the same experts
+    in the same order, weights within the dtype's rounding."""
+    logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(num_experts)).to(DEVICE, dtype)
+    for norm in (True, False):
+        weights, ids = route(logits, top_k, norm, dtype)
+        ref_weights, ref_ids = route_ref(logits, top_k, norm, dtype)
+        assert torch.equal(ids, ref_ids) and weights.dtype == dtype
+        torch.testing.assert_close(weights, ref_weights, rtol=1e-3, atol=1e-6)
 
 
 @pytest.mark.parametrize("norm_topk_prob,top_k", [(True, 2), (False, 2), (True, 1), (False, 8)])

@@ -3,13 +3,12 @@ the results are summed with the routing weights.
 
 The kernel path groups the work by expert so that each expert's weights are read once per tile of
 tokens, not once per token:
-1. `align_tokens_to_experts` sorts the (token, k) assignments by expert and pads each expert's group
-   to a multiple of the tile height, so no tile mixes two experts (torch ops, no host sync, so it
-   can be captured in a CUDA graph).
+1. `align_tokens_to_experts` (moe_routing.py) groups the (token, k) assignments by expert and pads
+   each expert's group to a multiple of the tile height, so no tile mixes two experts.
 2. A grouped GEMM over the stacked gate/up weights w13 [E, 2 * I, H] with SiLU-and-mul in its
    epilogue gives each assignment's activation [I].
 3. A grouped GEMM over the stacked down weights w2 [E, H, I] scales each row by its routing weight;
-   the top-k rows of a token are then summed.
+   the top-k rows of a token are then summed (`sum_top_k`).
 
 Experts stored in float8 (Qwen3-MoE FP8 checkpoints) come as an object with `weight` [E, N, K]
 float8, `scale` [E, N, G] float32 (one per row and group of `group_size` input columns) and, for the
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanovllm.kernels.moe_routing import align_tokens_to_experts
 from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
 
 
@@ -59,36 +59,6 @@ PREFILL_TILE = MoeTile(block_m=64, block_n=128, block_k=64, num_warps=8, num_sta
 def choose_tile(num_tokens: int, top_k: int, num_experts: int) -> MoeTile:
     """The decode tile while an expert gets at most one short tile of assignments on average."""
     return DECODE_TILE if num_tokens * top_k <= DECODE_TILE.block_m * num_experts else PREFILL_TILE
-
-
-def align_tokens_to_experts(topk_ids: torch.Tensor, block_m: int,
-                            num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Group the flattened assignments (index token * K + k) by expert, each group padded to a
-    multiple of block_m. Returns
-      sorted_token_ids [P]: assignment indices in expert order; padding holds T * K (no assignment),
-      expert_ids [P // block_m]: the expert of each tile; -1 for tiles past the end,
-      num_tokens_post_padded [1]: where the padded groups end.
-    P is a bound that depends only on the shapes (T * K + each possible group's padding), so the
-    outputs have fixed sizes for a given batch."""
-    flat = topk_ids.flatten()
-    num_assignments = flat.numel()
-    capacity = num_assignments + min(num_experts, num_assignments) * (block_m - 1)
-    capacity = -(-capacity // block_m) * block_m
-    # scatter_add, not bincount: bincount on CUDA reads its maximum back to the host
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
-    padded_counts = (counts + block_m - 1) // block_m * block_m
-    padded_ends = padded_counts.cumsum(0)
-    order = torch.argsort(flat, stable=True)                # assignment indices, grouped by expert
-    expert_of_sorted = flat[order]
-    rank_in_group = torch.arange(num_assignments, device=flat.device) - (counts.cumsum(0) - counts)[expert_of_sorted]
-    destination = (padded_ends - padded_counts)[expert_of_sorted] + rank_in_group
-    sorted_token_ids = torch.full((capacity,), num_assignments, dtype=torch.int64, device=flat.device)
-    sorted_token_ids[destination] = order
-    tile_starts = torch.arange(0, capacity, block_m, device=flat.device)
-    expert_ids = torch.searchsorted(padded_ends, tile_starts, right=True)
-    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1)
-    return sorted_token_ids, expert_ids, padded_ends[-1:]
 
 
 @triton.jit
@@ -191,4 +161,27 @@ def fused_moe(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
     _grouped_gemm(x, w13, activation, topk_weights, alignment, top_k, gated=True, tile=tile)
     expert_out = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     _grouped_gemm(activation, w2, expert_out, topk_weights, alignment, 1, gated=False, tile=tile)
-    return expert_out.view(num_tokens, top_k, hidden).sum(dim=1)
+    return sum_top_k(expert_out.view(num_tokens, top_k, hidden))
+
+
+@triton.jit
+def _sum_top_k_kernel(x_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(x_ptr + (token * TOP_K + k) * H + cols, mask=cols < H, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
+
+
+def sum_top_k(expert_out: torch.Tensor) -> torch.Tensor:
+    """[T, K, H] contiguous -> [T, H]: each token's K expert outputs summed in float32, in order
+    (torch's sum over the middle dimension took 4.7 us a layer at batch 1 on one H100, this 1.7)."""
+    num_tokens, top_k, hidden = expert_out.shape
+    out = torch.empty(num_tokens, hidden, dtype=expert_out.dtype, device=expert_out.device)
+    if num_tokens:
+        block_h = min(1024, triton.next_power_of_2(hidden))
+        _sum_top_k_kernel[(num_tokens, triton.cdiv(hidden, block_h))](expert_out, out, hidden, TOP_K=top_k,
+                                                                      BLOCK_H=block_h, **pdl_launch(expert_out))
+    return out

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels.fused_moe import fused_moe, fused_moe_ref
+from nanovllm.kernels.moe_routing import route, route_ref
 from nanovllm.layers.linear import load_shard, tp_rank_and_size
 from nanovllm.quantization.base import QuantizationConfig, shard_param
 
@@ -32,16 +33,6 @@ def expert_checkpoint_names(param_name: str, num_experts: int) -> dict[str, tupl
     target, suffix = stacked.split("_", 1)      # w13_weight_scale_inv -> w13, weight_scale_inv
     projs = [proj for proj, name in STACKED_PARAMS.items() if name == target]
     return {f"{prefix}.{e}.{proj}.{suffix}": (proj.removesuffix("_proj"), e) for e in range(num_experts) for proj in projs}
-
-
-def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the experts in float32, the top-k of it, renormalised to sum to 1 when asked.
-    Returns (weights [T, K] float32, expert ids [T, K])."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
 
 
 class Router(nn.Module):
@@ -124,9 +115,10 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, quant_config, f"{prefix}.experts")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
-        # rounded to the activations' dtype before use, like the reference implementation
-        y = self.experts(x, weights.to(x.dtype), ids)
+        logits = self.gate(x)
+        # weights rounded to the activations' dtype before use, like the reference implementation
+        weights, ids = (route if x.is_cuda else route_ref)(logits, self.top_k, self.norm_topk_prob, x.dtype)
+        y = self.experts(x, weights, ids)
         if self.experts.tp_size > 1:
             dist.all_reduce(y)
         return y
