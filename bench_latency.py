@@ -10,7 +10,8 @@ The floor is the time a decode step must take to read what it reads, at --bandwi
 model's weights as the device holds them (the bytes of every parameter and buffer of the loaded
 model, so a quantized format counts as stored; without the input embedding unless it is tied to
 the LM head, since a step reads only its tokens' rows, and without the rotary table), plus the
-K/V of every cached token of the batch, at the mean context of the decode steps.
+K/V of every cached token of the batch, at the mean context of the decode steps. Of a mixture of
+experts it counts the experts a batch is expected to reach (see decode_weight_bytes).
 
     python bench_latency.py --config configs/qwen3-8b.json
     python bench_latency.py --model ~/huggingface/Qwen3-0.6B --batch-sizes 1,4 --kv-cache-dtype fp8
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.layers.moe import SparseMoeBlock
 from nanovllm.layers.rotary import RotaryEmbedding
 from nanovllm.utils.bench_workload import add_model_arguments, model_engine_args
 
@@ -74,16 +76,23 @@ def engine_args(args: argparse.Namespace) -> dict:
     return kwargs
 
 
-def decode_weight_bytes(model: nn.Module) -> int:
-    """Bytes of the weights a decode step reads, as held on the device: every parameter and buffer,
-    once each, except an untied input embedding and the rotary table (a step reads their rows for
-    its tokens and positions only)."""
+def decode_weight_bytes(model: nn.Module, batch_size: int | None = None) -> int:
+    """Bytes of the weights a decode step of batch_size tokens reads, as held on the device: every
+    parameter and buffer, once each, except an untied input embedding and the rotary table (a step
+    reads their rows for its tokens and positions only). A mixture of experts' stacked experts count
+    by the share of them the batch is expected to reach when each token picks k of E uniformly,
+    1 - (1 - k / E) ** batch_size (all of them when batch_size is None)."""
     skipped = {id(t) for m in model.modules() if isinstance(m, RotaryEmbedding) for t in m.buffers()}
     embedding = model.get_submodule("model.embed_tokens").weight
     if not getattr(model, "tie_word_embeddings", False):
         skipped.add(id(embedding))
+    share = {}
+    for m in model.modules():
+        if isinstance(m, SparseMoeBlock) and batch_size is not None:
+            reached = 1 - (1 - m.top_k / m.experts.num_experts) ** batch_size
+            share.update({id(p): reached for p in m.experts.parameters()})
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in skipped}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return round(sum(t.numel() * t.element_size() * share.get(key, 1.0) for key, t in tensors.items()))
 
 
 def random_prompts(rng: random.Random, count: int, length: int, vocab_size: int) -> list[list[int]]:
@@ -101,7 +110,7 @@ def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float
     return elapsed
 
 
-def measure(llm: LLM, args: argparse.Namespace, weight_bytes: int, kv_bytes_per_token: int) -> list[dict]:
+def measure(llm: LLM, args: argparse.Namespace, model: nn.Module, kv_bytes_per_token: int) -> list[dict]:
     rng = random.Random(0)
     vocab_size = llm.config.model_config.vocab_size
     bandwidth = args.bandwidth_tbps * 1e12
@@ -112,7 +121,7 @@ def measure(llm: LLM, args: argparse.Namespace, weight_bytes: int, kv_bytes_per_
         ttft = timed_generate(llm, random_prompts(rng, batch, args.input_len, vocab_size), 1)
         total = timed_generate(llm, random_prompts(rng, batch, args.input_len, vocab_size), args.output_len)
         tpot = (total - ttft) / (args.output_len - 1)
-        step_bytes = weight_bytes + batch * mean_context * kv_bytes_per_token
+        step_bytes = decode_weight_bytes(model, batch) + batch * mean_context * kv_bytes_per_token
         floor = step_bytes / bandwidth
         results.append(dict(batch_size=batch, ttft_ms=ttft * 1e3, tpot_ms=tpot * 1e3,
                             tok_per_s=batch * args.output_len / total, floor_ms=floor * 1e3,
@@ -127,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
         runner = llm.model_runner
         weight_bytes = decode_weight_bytes(runner.model)
         kv_bytes_per_token = runner.kv_cache.block_bytes // runner.kv_cache.block_size
-        results = measure(llm, args, weight_bytes, kv_bytes_per_token)
+        results = measure(llm, args, runner.model, kv_bytes_per_token)
     finally:
         llm.shutdown()
     for r in results:

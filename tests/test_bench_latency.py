@@ -80,3 +80,17 @@ def test_bad_arguments_name_the_flag(argv, name, capsys):
     with pytest.raises(SystemExit):
         bench_latency.parse_args(["--model", model_path(), *argv])
     assert name in capsys.readouterr().err
+
+
+def test_moe_floor_counts_the_experts_a_batch_reaches():
+    """Top-2 of 8 experts: one token reads 2/8 of every layer's experts, two tokens 1 - (6/8)^2."""
+    from nanovllm.layers.moe import SparseMoeBlock
+    config = read_model_config(tiny_config(300, architecture="Qwen3MoeForCausalLM", num_experts=8,
+                                           num_experts_per_tok=2, moe_intermediate_size=24))
+    model = build_model(config)
+    experts = sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, SparseMoeBlock)
+                  for p in m.experts.parameters())
+    every = bench_latency.decode_weight_bytes(model)
+    assert experts > 0 and every > experts
+    assert bench_latency.decode_weight_bytes(model, 1) == round(every - experts + experts * 2 / 8)
+    assert bench_latency.decode_weight_bytes(model, 2) == round(every - experts + experts * (1 - (6 / 8) ** 2))
