@@ -219,12 +219,13 @@ def test_paged_decode_attention_program_orders_agree(splits):
                                               lens, block_tables, 0.125), torch.float32)
 
 
-def test_decode_num_splits_targets_four_programs_per_sm_within_1_to_16():
-    assert decode_num_splits(1, 8, 132) == 16          # ceil(528 / 8) = 66, capped
-    assert decode_num_splits(64, 8, 132) == 2          # ceil(528 / 512)
-    assert decode_num_splits(128, 8, 132) == 1         # enough programs without splitting
-    assert decode_num_splits(3, 1, 1) == 2             # ceil(4 / 3)
-    assert decode_num_splits(1, 1, 1) == 4
+def test_decode_num_splits_targets_one_program_per_sm_within_1_to_16():
+    assert decode_num_splits(1, 8, 132) == 16          # ceil(132 / 8) = 17, capped
+    assert decode_num_splits(4, 8, 132) == 5           # ceil(132 / 32)
+    assert decode_num_splits(16, 8, 132) == 2          # ceil(132 / 128)
+    assert decode_num_splits(64, 8, 132) == 1          # enough programs without splitting
+    assert decode_num_splits(3, 1, 4) == 2             # ceil(4 / 3)
+    assert decode_num_splits(1, 1, 4) == 4
     assert decode_num_splits(512, 8, 132) == 1
     for num_sms in (1, 16, 78, 132):
         for num_kv_heads in (1, 2, 8):

@@ -199,16 +199,17 @@ def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_out_seq, 
 
 
 # Programs per SM that decode_num_splits aims for. float8 programs read half the bytes per token,
-# so more of them keep as many bytes in flight (the H100 sweep: 3 splits best at batch 64).
+# so more of them keep as many bytes in flight (the H100 sweep: 3 splits best at batch 64). A 16-bit
+# cache aimed at 4 until 2026-11-26, when one (fewer splits at 4 to 64 sequences) made the 8B shape's
+# steps 1.4-1.7% faster at batch 4, 16 and 64 on one H100 (docs/benchmarks.md).
 FP8_DECODE_PROGRAMS_PER_SM = 8
-DECODE_PROGRAMS_PER_SM = 4
+DECODE_PROGRAMS_PER_SM = 1
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int,
                       cache_dtype: torch.dtype = torch.bfloat16) -> int:
-    """Context splits per sequence so that a decode step launches about four programs per SM for
-    a 16-bit cache (H100 sweeps of 2026-11-23 and 2026-11-25: splits pay only below ~32
-    sequences), eight for a float8 one."""
+    """Context splits per sequence so that a decode step launches about one program per SM for a
+    16-bit cache, eight for a float8 one (see the constants above)."""
     per_sm = FP8_DECODE_PROGRAMS_PER_SM if cache_dtype.itemsize == 1 else DECODE_PROGRAMS_PER_SM
     return max(1, min(16, -(-per_sm * num_sms // (num_seqs * num_kv_heads))))
 
