@@ -83,6 +83,29 @@ def test_one_row_sub_steps(config, monkeypatch):
         torch.testing.assert_close(out, ref, **tolerance(dtype))
 
 
+@pytest.mark.parametrize("rows,min_weights,config", [(1, 0, ONE_ROW_CONFIG), (1, 0, WIDE_ONE_ROW_CONFIG),
+                                                     (1, None, None), (3, None, None)],
+                         ids=["one-row", "wide", "tile-one-row", "tile"])
+def test_gated_is_the_product_then_silu_and_mul(rows, min_weights, config, monkeypatch):
+    """gated=True on a merged [gate; up] layer (gate columns 0..N/2, up N/2..N): silu(gate) * up
+    from the epilogue, split K or not, bit for bit the unfused GEMV followed by the silu_and_mul
+    kernel, and close to the twins."""
+    from nanovllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+    if min_weights is not None:
+        monkeypatch.setattr(int4_gemv_module, "ONE_ROW_MIN_WEIGHTS", min_weights)
+    dtype = DTYPES[0]
+    k, n = 256, 2 * 72        # 72 columns of each: partial column tiles
+    layer = awq_layer(k, n, 128, dtype, seed=9)
+    args = (layer["qweight"], layer["scales"], layer["scaled_zeros"], 128)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(10)).to(DEVICE, dtype)
+    for split_k in (1, 2):
+        fused = int4_gemv(x, *args, config=config, split_k=split_k, gated=True)
+        assert fused.shape == (rows, n // 2) and fused.dtype == dtype
+        unfused = int4_gemv(x, *args, config=config, split_k=split_k)
+        torch.testing.assert_close(fused, silu_and_mul(unfused), rtol=0, atol=0)
+        torch.testing.assert_close(fused, silu_and_mul_ref(int_gemm_ref(x, *args[:3], 4, 128)), **tolerance(dtype))
+
+
 def test_gptq_layout_matches_twin():
     k, n, group_size = 256, 64, 128
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(2)) / k ** 0.5

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from nanovllm.kernels.silu_epilogue import gated_columns, silu_and_mul_store
 from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
 
 # fp8_linear sends products of at most this many rows (and no static input scale) here on CUDA.
@@ -79,10 +80,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K, stride_x
                      ONE_ROW_STAGES: tl.constexpr = 1, GATED: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if GATED:   # weight rows alternate gate j, up j (N // 2 apart) for the program's BLOCK_N // 2 outputs j
-        i = tl.arange(0, BLOCK_N)
-        col_ok = pid_n * (BLOCK_N // 2) + i // 2 < N // 2
-        cols = pid_n * (BLOCK_N // 2) + i // 2 + (i % 2) * (N // 2)
+    if GATED:
+        cols, col_ok = gated_columns(pid_n, N // 2, BLOCK_N)
     else:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
@@ -131,14 +130,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K, stride_x
     if HAS_BIAS:    # added once: by the first K split
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
-    if GATED:   # silu(gate) * up, each rounded where the unfused layer and silu_and_mul round
-        gate, up = tl.split(tl.reshape(acc, (acc.shape[0], BLOCK_N // 2, 2)))
-        dtype = out_ptr.dtype.element_ty
-        gate = gate.to(dtype).to(tl.float32)
-        y = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
-        out_cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(out_ptr + rows[:, None] * (N // 2) + out_cols[None, :], y.to(dtype),
-                 mask=(rows < M)[:, None] & (out_cols < N // 2)[None, :])
+    if GATED:
+        silu_and_mul_store(out_ptr, acc, rows, pid_n * (BLOCK_N // 2), M, N // 2, BLOCK_N)
         return
     out = out_ptr + rows[:, None] * N + cols[None, :]
     mask = (rows < M)[:, None] & col_ok[None, :]
@@ -154,9 +147,9 @@ def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: 
     """The Triton twin of `fp8_gemv_ref`: x [M, K] (last dimension contiguous), w_q [N, K] contiguous,
     w_s [N, G]; with G > 1, group_size is a power of two of at least 16 and K's groups are
     ceil(K / group_size). Meant for M <= GEMV_MAX_ROWS; larger M runs, in tiles of 16 rows.
-    gated: w_q is a merged [gate; up] matrix and the result is silu(gate) * up [M, N // 2], rounded
-    as silu_and_mul of the 16-bit product would be; None when K would be split (the sums then meet
-    by atomic adds, after which no program sees a finished gate and up)."""
+    gated: w_q is a merged [gate; up] matrix and the result is silu(gate) * up [M, N // 2]
+    (silu_epilogue.py); None when K would be split (the sums then meet by atomic adds, after which
+    no program sees a finished gate and up)."""
     m, k = x.shape
     n = w_q.shape[0]
     groups = w_s.shape[1]

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from nanovllm.kernels.fp8_gemv import sm_count, split_k_for
+from nanovllm.kernels.silu_epilogue import gated_columns, silu_and_mul_store
 from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
 
 # The weight-only linear sends 4-bit products of at most this many rows here on CUDA (the rest to
@@ -164,12 +165,15 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
                       GROUP_SIZE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       ASM: tl.constexpr, MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr, USE_PTX: tl.constexpr,
                       BLOCK_M: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-                      SUB_WORDS: tl.constexpr = 16, F32_ASM: tl.constexpr = ""):
+                      SUB_WORDS: tl.constexpr = 16, F32_ASM: tl.constexpr = "", GATED: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     WORDS: tl.constexpr = BLOCK_K // 8
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    if GATED:   # two runs of BLOCK_N // 2 contiguous columns: the loads stay 16 bytes wide
+        cols, col_ok = gated_columns(pid_n, N // 2, BLOCK_N)
+    else:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
     words_in_step = tl.arange(0, WORDS)
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
@@ -240,9 +244,14 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
             # read where the sums were made (an atomic, not a possibly stale cached load)
             total = tl.atomic_add(partial_ptr + offsets, tl.zeros_like(acc), mask=mask, sem="acquire")
             total = tl.where(mask, total, 0.0)        # masked lanes return nothing defined
-            tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
+            if GATED:
+                silu_and_mul_store(out_ptr, total, rows, pid_n * (BLOCK_N // 2), M, N // 2, BLOCK_N)
+            else:
+                tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.store(partial_ptr + offsets, tl.zeros_like(acc), mask=mask)
             tl.store(arrivals, 0)
+    elif GATED:
+        silu_and_mul_store(out_ptr, acc, rows, pid_n * (BLOCK_N // 2), M, N // 2, BLOCK_N)
     else:
         tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -268,10 +277,13 @@ def split_workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,
-              group_size: int, config: Int4GemvConfig | None = None, split_k: int | None = None) -> torch.Tensor:
+              group_size: int, config: Int4GemvConfig | None = None, split_k: int | None = None,
+              gated: bool = False) -> torch.Tensor:
     """x [M, K] (last dimension contiguous) @ the 4-bit packed weight -> [M, N] in x's dtype:
     bfloat16/float16 on CUDA (float32 too in the interpreter). Needs gemv_supported(K, group_size,
-    None, 4, config); meant for M <= GEMV_MAX_ROWS (more rows run, 16 at a time). `int_gemm_ref` is the twin."""
+    None, 4, config); meant for M <= GEMV_MAX_ROWS (more rows run, 16 at a time). `int_gemm_ref` is the twin.
+    gated: the weight is a merged [gate; up] matrix and the result silu(gate) * up [M, N // 2]
+    (silu_epilogue.py)."""
     m, k = x.shape
     n = qweight.shape[1]
     one_row = m == 1 and k * n >= ONE_ROW_MIN_WEIGHTS
@@ -287,13 +299,13 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
         raise ValueError(f"int4_gemv: qweight has {qweight.shape[0]} packed rows, K = {k} needs {k // 8}")
     block_k = min(block_k, group_size)
     magic_bits, offset = MAGIC.get(x.dtype, (0, INTERPRETER_OFFSET))
-    column_programs = triton.cdiv(n, block_n)
+    column_programs = triton.cdiv(n // 2, block_n // 2) if gated else triton.cdiv(n, block_n)
     if split_k is None and one_row and x.is_cuda:
         split_k = round(ONE_ROW_WARPS_PER_SM * sm_count(x.device) / (column_programs * num_warps))
     split_k = max(1, min(split_k or split_k_for(x, column_programs, k, block_k), triton.cdiv(k, block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n // 2 if gated else n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     block_m = 1 if one_row else 16
@@ -306,6 +318,6 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
                             USE_PTX=x.is_cuda and x.dtype in MAGIC,
                             INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
                             SUB_WORDS=min(sub_words, block_k // 8),
-                            F32_ASM=unpack_f32_asm() if block_m == 1 else "",
+                            F32_ASM=unpack_f32_asm() if block_m == 1 else "", GATED=gated,
                             num_warps=num_warps, num_stages=num_stages, **pdl_launch(x))
     return out

@@ -33,18 +33,29 @@ class WeightOnlyIntMethod(LinearMethod):
         layer.g_idx = None if g_idx is None else nn.Parameter(g_idx.to(torch.int32).contiguous(), requires_grad=False)
         layer.group_size = group_size
 
+    def takes_gemv(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether x [M, K] goes through the 4-bit GEMV: 16-bit rows on the GPU, a few of them."""
+        return x.is_cuda and x.dtype != torch.float32 and x.shape[0] <= int4_gemv_module.GEMV_MAX_ROWS \
+            and gemv_supported(x.shape[1], layer.group_size, layer.g_idx, self.bits)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # the Triton kernels on the GPU for 16-bit activations (a few rows of 4 bits: the GEMV);
         # the twin on the CPU and for float32
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        if x.is_cuda and x.dtype != torch.float32 and x2.shape[0] <= int4_gemv_module.GEMV_MAX_ROWS \
-                and gemv_supported(x2.shape[1], layer.group_size, layer.g_idx, self.bits):
+        if self.takes_gemv(layer, x2):
             y = int4_gemv(x2, layer.qweight, layer.scales, layer.scaled_zeros, layer.group_size)
         else:
             gemm = int_gemm if x.is_cuda and x.dtype != torch.float32 else int_gemm_ref
             y = gemm(x2, layer.qweight, layer.scales, layer.scaled_zeros, self.bits, layer.group_size, layer.g_idx)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
+
+    def apply_silu_and_mul(self, layer, x, bias=None):
+        # the GEMV's epilogue; a bias would have to be added before the activation
+        if bias is not None or x.dim() != 2 or not self.takes_gemv(layer, x):
+            return None
+        return int4_gemv(x.contiguous(), layer.qweight, layer.scales, layer.scaled_zeros, layer.group_size,
+                         gated=True)
 
 
 def linear_shapes(model_config, tensor_parallel_size: int) -> dict[str, tuple[int, list[int]]]:
