@@ -164,13 +164,13 @@ def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: 
     group_step = min(block_k, group_size) if per_group else block_k
     if block_m > 1:
         block_k = group_step
-    programs = lambda rows: triton.cdiv(n // 2, rows // 2) if gated else triton.cdiv(n, rows)
+    assert not gated or n % 2 == 0      # then the n // 2 outputs take cdiv(n, block_n) programs too
     # one row of a small layer: half as many rows per program before splitting K (a split costs
     # two kernels more; Qwen3-30B-A3B's o_proj, 2048 x 4096)
     while config is None and m == 1 and x.is_cuda and block_n > 4 and not split_k and \
-            split_k_for(x, programs(block_n), k, block_k) > 1:
+            split_k_for(x, triton.cdiv(n, block_n), k, block_k) > 1:
         block_n //= 2
-    column_programs = programs(block_n)
+    column_programs = triton.cdiv(n, block_n)
     split_k = split_k or split_k_for(x, column_programs, k, block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)

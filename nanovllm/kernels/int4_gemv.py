@@ -299,7 +299,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
         raise ValueError(f"int4_gemv: qweight has {qweight.shape[0]} packed rows, K = {k} needs {k // 8}")
     block_k = min(block_k, group_size)
     magic_bits, offset = MAGIC.get(x.dtype, (0, INTERPRETER_OFFSET))
-    column_programs = triton.cdiv(n // 2, block_n // 2) if gated else triton.cdiv(n, block_n)
+    assert not gated or n % 2 == 0      # then the n // 2 outputs take cdiv(n, block_n) programs too
+    column_programs = triton.cdiv(n, block_n)
     if split_k is None and one_row and x.is_cuda:
         split_k = round(ONE_ROW_WARPS_PER_SM * sm_count(x.device) / (column_programs * num_warps))
     split_k = max(1, min(split_k or split_k_for(x, column_programs, k, block_k), triton.cdiv(k, block_k)))
