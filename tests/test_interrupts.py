@@ -163,16 +163,12 @@ def test_request_finishing_during_generate_is_returned_by_step(llm, hf_greedy):
 
 
 def generate_until_ctrl_c(llm, prompts, params, delay: float) -> None:
-    """Generate again and again until a real SIGINT, sent after delay seconds, lands somewhere.
-    Python drops a KeyboardInterrupt raised inside a finalizer (rarely, one lands there, and the
-    loop would never end): once the timer has fired, each finished call sends one more."""
+    """Generate again and again until a real SIGINT, sent after delay seconds, lands somewhere."""
     timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     try:
         while True:
             llm.generate(prompts, params, use_tqdm=False)
-            if timer.finished.is_set():
-                os.kill(os.getpid(), signal.SIGINT)
     except KeyboardInterrupt:
         pass
     finally:
