@@ -163,7 +163,10 @@ def test_request_finishing_during_generate_is_returned_by_step(llm, hf_greedy):
 
 
 def generate_until_ctrl_c(llm, prompts, params, delay: float) -> None:
-    """Generate again and again until a real SIGINT, sent after delay seconds, lands somewhere."""
+    """Generate again and again until a real SIGINT, sent after delay seconds, lands somewhere.
+    Python's own handler is installed for the while: a shell that starts the tests in the
+    background (`cmd &`) hands them SIGINT ignored, and the loop would never end."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     try:
@@ -173,6 +176,7 @@ def generate_until_ctrl_c(llm, prompts, params, delay: float) -> None:
         pass
     finally:
         timer.join()
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_ctrl_c_from_a_signal_mid_generate(llm, hf_greedy):
