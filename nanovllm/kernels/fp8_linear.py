@@ -289,7 +289,7 @@ def fp8_linear(x: torch.Tensor | QuantizedActivation, w_q: torch.Tensor, w_s: to
         return gemm(x.q, x.scale, w_q, w_s, group_size, x.dtype, bias)
     shape = x.shape
     x = x.reshape(-1, shape[-1])
-    if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS and input_scale is None and x.dtype != torch.float32:
+    if takes_gemv(x, input_scale):
         y = fp8_gemv(x.contiguous() if x.stride(-1) != 1 else x, w_q, w_s, group_size, bias)
     elif not x.is_cuda:
         x_q, x_s = quantize_activation_ref(x, group_size, input_scale)
@@ -300,14 +300,19 @@ def fp8_linear(x: torch.Tensor | QuantizedActivation, w_q: torch.Tensor, w_s: to
     return y.reshape(*shape[:-1], y.shape[-1])
 
 
+def takes_gemv(x: torch.Tensor, input_scale: torch.Tensor | None) -> bool:
+    """Whether fp8_linear streams x [M, K] through fp8_gemv: a few 16-bit rows on CUDA, no static
+    input scale."""
+    return x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS and input_scale is None and x.dtype != torch.float32
+
+
 def fp8_linear_silu_and_mul(x: torch.Tensor | QuantizedActivation, w_q: torch.Tensor, w_s: torch.Tensor,
                             group_size: int, input_scale: torch.Tensor | None = None,
                             bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """silu(gate) * up of a merged [gate; up] layer, from the GEMV's epilogue, where fp8_linear would
     take the GEMV path (and the GEMV does not split K); None elsewhere: the caller then runs the
     layer and silu_and_mul apart. Saves a kernel launch and a round trip of gate and up per layer."""
-    if (isinstance(x, QuantizedActivation) or not x.is_cuda or x.dim() != 2 or x.shape[0] > GEMV_MAX_ROWS
-            or input_scale is not None or x.dtype == torch.float32):
+    if isinstance(x, QuantizedActivation) or x.dim() != 2 or not takes_gemv(x, input_scale):
         return None
     return fp8_gemv(x.contiguous() if x.stride(-1) != 1 else x, w_q, w_s, group_size, bias, gated=True)
 
