@@ -65,7 +65,7 @@ def test_requests_after_start_up_compile_no_kernel(model_path):
     from nanovllm.kernels import paged_attention, rms_norm, rotary_embedding, sampling, silu_and_mul
 
     kernels = {"prefill": paged_attention._prefill_kernel, "decode": paged_attention._decode_kernel,
-               "combine": paged_attention._combine_splits_kernel, "rotary": rotary_embedding._rotary_kernel,
+               "rotary": rotary_embedding._rotary_kernel,
                "rms_norm": rms_norm._rms_norm_kernel, "silu_and_mul": silu_and_mul._silu_and_mul_kernel,
                "chunk_summary": sampling._chunk_summary_kernel, "pick_token": sampling._pick_token_kernel}
     llm = LLM(model_path, device="cuda", kvcache_block_size=16, max_num_batched_tokens=64, max_num_seqs=4)

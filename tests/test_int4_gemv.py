@@ -205,18 +205,18 @@ def test_weight_only_layer_routes_few_rows_to_the_gemv(monkeypatch, rows, expect
 def test_split_k_leaves_its_workspace_zero():
     """The last split of each tile writes the output and clears the sums and arrival counts, so
     the next call (another shape, then the first again) starts from zeros."""
-    from nanovllm.kernels.int4_gemv import _workspaces
+    from nanovllm.kernels.zeroed_workspace import zeroed_workspace
     dtype = DTYPES[0]
     small, large = awq_layer(256, 48, 128, dtype, seed=5), awq_layer(512, 96, 128, dtype, seed=6)
     x_small = torch.randn(3, 256, generator=torch.Generator().manual_seed(8)).to(DEVICE, dtype)
     x_large = torch.randn(2, 512, generator=torch.Generator().manual_seed(9)).to(DEVICE, dtype)
     first, ref = both(x_small, small, 128, Int4GemvConfig(16, 128, 4, 2), split_k=2)
     torch.testing.assert_close(first, ref, **tolerance(dtype))
-    floats, counts = _workspaces[x_small.device]
+    floats, counts = (zeroed_workspace(x_small.device, kind, 0) for kind in (torch.float32, torch.int32))
     assert not floats.any() and not counts.any()
     out, ref = both(x_large, large, 128, split_k=4)
     torch.testing.assert_close(out, ref, **tolerance(dtype))
     again, _ = both(x_small, small, 128, Int4GemvConfig(16, 128, 4, 2), split_k=2)
     assert torch.equal(again, first)
-    floats, counts = _workspaces[x_small.device]
+    floats, counts = (zeroed_workspace(x_small.device, kind, 0) for kind in (torch.float32, torch.int32))
     assert not floats.any() and not counts.any()

@@ -80,7 +80,7 @@ def make_paged_cache(context_lens: list[int], block_size: int, num_kv_heads: int
     block_tables = torch.zeros(len(context_lens), max(blocks_per_seq) + 2, dtype=torch.int64, device=DEVICE)
     dense = []
     for i, (context_len, num_seq_blocks) in enumerate(zip(context_lens, blocks_per_seq)):
-        blocks, free = torch.tensor(free[:num_seq_blocks], device=DEVICE), free[num_seq_blocks:]
+        blocks, free = torch.tensor(free[:num_seq_blocks], dtype=torch.int64, device=DEVICE), free[num_seq_blocks:]
         block_tables[i, :num_seq_blocks] = blocks
         slots = (blocks[:, None] * block_size + torch.arange(block_size, device=DEVICE)).flatten()[:context_len]
         k, v = torch.randn(2, context_len, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
@@ -514,3 +514,23 @@ def test_gumbel_argmax_noise_is_independent_across_chunks():
     scores = torch.zeros(rows, vocab, device=DEVICE)
     tokens = gumbel_argmax(scores, torch.ones(rows, device=DEVICE), torch.arange(rows, device=DEVICE))
     assert (torch.bincount(tokens // CHUNK, minlength=3) >= 3).all(), tokens
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")   # an empty split's log2(0) = -inf
+@pytest.mark.parametrize("unsplit_tiles", [0, 3])
+def test_paged_decode_split_combine_repeats_and_leaves_its_counts_zero(unsplit_tiles):
+    """The split that finishes last combines the others and zeroes its arrival count: calls in a
+    row (as CUDA-graph replays are) give the same bits, an empty sequence gives zeros, and the
+    counts are zero after each call; a context of at most unsplit_tiles tiles in one program changes none of it."""
+    from nanovllm.kernels.zeroed_workspace import zeroed_workspace
+    context_lens = [0, 300, 1, 129]   # none, every split busy, one token, fewer tiles than splits
+    k_cache, v_cache, block_tables, _ = make_paged_cache(context_lens, 16, 2, 64, torch.float32)
+    _, q, _, _ = packed_qkv(len(context_lens), 4, 2, 64, torch.float32)
+    lens = torch.tensor(context_lens, device=DEVICE)
+    first, again = (paged_decode_attention(q, k_cache, v_cache, lens, block_tables, 0.125, num_splits=4, tile_tokens=16,
+                                           unsplit_tiles=unsplit_tiles) for _ in range(2))
+    assert torch.equal(first, again) and not zeroed_workspace(q.device, torch.int32, 0).any()
+    assert not first[0].any()
+    assert_close(first[1:], paged_attention_ref(q, k_cache, v_cache, torch.arange(len(context_lens) + 1, device=DEVICE),
+                                                lens, block_tables, 0.125)[1:], torch.float32)

@@ -26,7 +26,8 @@ import torch
 
 from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from nanovllm.kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv, sm_count
-from nanovllm.kernels.triton_compat import cuda_major_capability, pdl_launch, tl, triton, wait_for_previous_kernel
+from nanovllm.kernels.triton_compat import (cuda_major_capability, pdl_launch, start_next_kernel, tl, triton,
+                                             wait_for_previous_kernel)
 
 # the smallest activation scale: a token of zeros quantizes to zeros instead of dividing by zero
 ACT_SCALE_FLOOR = 1e-12
@@ -110,6 +111,7 @@ def quantize_groups(y, ROWS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.conste
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, GROUP, NUM_GROUPS,
                      STATIC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
+    start_next_kernel(PDL)
     row, group = tl.program_id(0), tl.program_id(1)
     start = group * GROUP
     end = tl.minimum(start + GROUP, K)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels.moe_routing import align_tokens_to_experts
-from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
+from nanovllm.kernels.triton_compat import pdl_launch, start_next_kernel, tl, triton, wait_for_previous_kernel
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -167,6 +167,7 @@ def fused_moe(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
 @triton.jit
 def _sum_top_k_kernel(x_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
+    start_next_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     acc = tl.zeros([BLOCK_H], tl.float32)

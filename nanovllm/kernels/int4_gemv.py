@@ -33,6 +33,7 @@ import torch
 from nanovllm.kernels.fp8_gemv import sm_count, split_k_for
 from nanovllm.kernels.silu_epilogue import gated_columns, silu_and_mul_store
 from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
+from nanovllm.kernels.zeroed_workspace import zeroed_workspace
 
 # The weight-only linear sends 4-bit products of at most this many rows here on CUDA (the rest to
 # int_gemm). Measured on one H100 (`scripts/int_gemm_bench.py --int4-gemv`, Qwen3-8B projections of
@@ -256,26 +257,6 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
         tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-_outgrown: list[torch.Tensor] = []     # kept alive: CUDA graphs captured with them still write there
-
-
-def split_workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 partial sums and int32 arrival counts for split K, zero between calls (the kernel
-    leaves them so), one pair per device, grown when too small. Calls on one stream share it: a
-    kernel finishes its tiles before the next one starts."""
-    floats, counts = _workspaces.get(device, (None, None))
-    if floats is None or floats.numel() < sums or counts.numel() < tiles:
-        if floats is not None:
-            _outgrown.extend((floats, counts))
-        floats = torch.zeros(max(sums, 1 << 20, 0 if floats is None else 2 * floats.numel()), dtype=torch.float32,
-                             device=device)
-        counts = torch.zeros(max(tiles, 1 << 14, 0 if counts is None else 2 * counts.numel()), dtype=torch.int32,
-                             device=device)
-        _workspaces[device] = (floats, counts)
-    return floats, counts
-
-
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,
               group_size: int, config: Int4GemvConfig | None = None, split_k: int | None = None,
               gated: bool = False) -> torch.Tensor:
@@ -311,7 +292,11 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
         return out
     block_m = 1 if one_row else 16
     grid = (column_programs, split_k, triton.cdiv(m, block_m))
-    partial, arrivals = split_workspace(x.device, m * n, grid[0] * grid[2]) if split_k > 1 else (out, out)
+    if split_k > 1:   # float32 sums and arrival counts, zero between calls (the kernel leaves them so)
+        partial = zeroed_workspace(x.device, torch.float32, m * n)
+        arrivals = zeroed_workspace(x.device, torch.int32, grid[0] * grid[2])
+    else:
+        partial = arrivals = out   # unused
     _int4_gemv_kernel[grid](x, qweight, scales, scaled_zeros, out, partial, arrivals, m, n, k, x.stride(0),
                             k_per_split, split_k, GROUP_SIZE=group_size, SPLIT=split_k > 1, BLOCK_N=block_n,
                             BLOCK_K=block_k, BLOCK_M=block_m,

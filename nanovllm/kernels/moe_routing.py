@@ -16,7 +16,7 @@ the experts' GEMMs (Qwen3-30B-A3B at batch 1 on one H100: ~45 us a layer against
 """
 import torch
 
-from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
+from nanovllm.kernels.triton_compat import pdl_launch, start_next_kernel, tl, triton, wait_for_previous_kernel
 
 # Up to this many (token, expert) assignments the one-program kernel groups them (decode: 512
 # tokens of top-8); beyond, the twin's sort.
@@ -40,6 +40,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, stride_logits, N
                   BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, NORMALIZE: tl.constexpr,
                   BLOCK_T: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
+    start_next_kernel(PDL)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     rows = tl.minimum(tokens, num_tokens - 1)      # past the last token: its row again, not stored
@@ -121,6 +122,7 @@ def _align_kernel(ids_ptr, sorted_ptr, tile_experts_ptr, end_ptr, num_assignment
                   NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr,
                   PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
+    start_next_kernel(PDL)
     experts = tl.arange(0, BLOCK_E)
     steps = tl.arange(0, BLOCK_A)
     counts = tl.zeros([BLOCK_E], tl.int32)

@@ -13,7 +13,8 @@ The decode kernel reads float8 values as 16-bit words of two dimensions (see _de
 
 The decode kernel gives one program to each (sequence, KV head, context split): it loads every
 K/V tile once for all query heads of its group, and long contexts can be split over several
-programs whose partial results a second kernel combines (flash-decoding). The prefill kernel gives
+programs whose partial results the last of them to finish combines (flash-decoding, in one
+kernel: a second one cost a batch-1 step of the 8B shape 1.9 us a layer). The prefill kernel gives
 one program to each (query tile, sequence, head).
 """
 import math
@@ -22,7 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels.fp8 import FP8_DTYPE, check_kv_scales, dequantize_fp8, is_fp8_cache
-from nanovllm.kernels.triton_compat import cuda_major_capability, pdl_launch, tl, triton, wait_for_previous_kernel
+from nanovllm.kernels.triton_compat import (cuda_major_capability, pdl_launch, start_next_kernel, tl, triton,
+                                             wait_for_previous_kernel)
+from nanovllm.kernels.zeroed_workspace import zeroed_workspace
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -88,14 +91,14 @@ def _e4m3_byte_to_f16(pairs, HIGH: tl.constexpr, PTX: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr,
-                   out_ptr, part_out_ptr, part_lse_ptr, scale_log2e, stride_q_seq, stride_q_head,
+                   out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, scale_log2e, stride_q_seq, stride_q_head,
                    stride_out_seq, stride_out_head, stride_cache_block, stride_cache_token, stride_bt,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                   HEADS_FASTEST: tl.constexpr, KV_FP8: tl.constexpr, SCALE_STRIDE: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, UNSPLIT_TILES: tl.constexpr, PRECISION: tl.constexpr, HEADS_FASTEST: tl.constexpr, KV_FP8: tl.constexpr, SCALE_STRIDE: tl.constexpr,
                    DOT_FP16: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
+    start_next_kernel(PDL)
     if HEADS_FASTEST:   # the KV heads of one token are adjacent in memory: read them together
         kv_head, split, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     else:
@@ -103,6 +106,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
     context_len = tl.load(context_lens_ptr + seq)
     num_tiles = tl.cdiv(context_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    if num_tiles <= UNSPLIT_TILES:   # a short context is not worth the combine
+        tiles_per_split = tl.maximum(num_tiles, 1)
+    # a CUDA graph fixes NUM_SPLITS for the longest context it may meet: the splits past a
+    # shorter one's tiles have nothing to add and end here
+    busy_splits = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)
+    if split >= busy_splits:
+        return
     first_tile = split * tiles_per_split
     last_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
 
@@ -168,34 +178,36 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
     if KV_FP8:   # values are stored divided by v_scale; every split's part is, so the combine stays linear
         out = out * tl.load(v_scale_ptr + kv_head * SCALE_STRIDE)
     out_mask = head_mask[:, None] & d_mask[None, :]
+    out_offs = seq * stride_out_seq + heads[:, None] * stride_out_head + d[None, :]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    elif busy_splits == 1:
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        row = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=out_mask)
-        tl.store(part_lse_ptr + row, m + tl.log2(l), mask=head_mask)
-
-
-@triton.jit
-def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_out_seq, stride_out_head,
-                           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                           NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    row = (seq * NUM_HEADS + head) * NUM_SPLITS + s
-    lse = tl.load(part_lse_ptr + row, mask=s < NUM_SPLITS, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    weight = tl.where(lse > float("-inf"), tl.exp2(lse - lse_max), 0.0)   # empty splits weigh 0
-    part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
-                   mask=(s < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-    total = tl.sum(weight, 0)
-    out = tl.sum(weight[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + d, out.to(out_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
+        # flash-decoding's combine, done by the split that finishes last (no second kernel): each
+        # split leaves its normalised output and log2-sum-exp, then counts itself in
+        first_row = (seq * NUM_HEADS + heads) * NUM_SPLITS
+        tl.store(part_out_ptr + (first_row + split)[:, None] * HEAD_DIM + d[None, :], out, mask=out_mask)
+        tl.store(part_lse_ptr + first_row + split, m + tl.log2(l), mask=head_mask)
+        tl.debug_barrier()     # every thread's part is stored before the program counts as arrived
+        arrivals = arrivals_ptr + seq * (NUM_HEADS // GROUP) + kv_head
+        if tl.atomic_add(arrivals, 1, sem="acq_rel") == busy_splits - 1:
+            lse_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            for other in range(busy_splits):   # .cg: read from L2, where the other SMs' stores landed
+                lse_max = tl.maximum(lse_max, tl.load(part_lse_ptr + first_row + other, mask=head_mask,
+                                                      other=float("-inf"), cache_modifier=".cg"))
+            total = tl.zeros([BLOCK_G], tl.float32)
+            summed = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+            for other in range(busy_splits):
+                lse = tl.load(part_lse_ptr + first_row + other, mask=head_mask, other=float("-inf"), cache_modifier=".cg")
+                weight = tl.where(lse > float("-inf"), tl.exp2(lse - lse_max), 0.0)   # a padded head weighs 0
+                part = tl.load(part_out_ptr + (first_row + other)[:, None] * HEAD_DIM + d[None, :], mask=out_mask,
+                               other=0.0, cache_modifier=".cg")
+                total += weight
+                summed += weight[:, None] * part
+            combined = summed / tl.where(total > 0, total, 1.0)[:, None]
+            tl.store(out_ptr + out_offs, combined.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(arrivals, 0)   # zero again for the next call
 
 
 # Programs per SM that decode_num_splits aims for. float8 programs read half the bytes per token,
@@ -213,6 +225,11 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int,
     per_sm = FP8_DECODE_PROGRAMS_PER_SM if cache_dtype.itemsize == 1 else DECODE_PROGRAMS_PER_SM
     return max(1, min(16, -(-per_sm * num_sms // (num_seqs * num_kv_heads))))
 
+
+# Contexts of at most this many tiles are not split. On an H100 (8B shape, 16-bit and float8 caches,
+# batch 1 to 16) one program over two tiles beat two splits and their combine by 1-3 us a layer,
+# and four splits of one tile beat two of two or one of four (docs/benchmarks.md).
+DECODE_UNSPLIT_TILES = 2
 
 # (tokens per tile, warps, pipeline stages) of the decode kernel: the best of the H100 sweeps for a
 # 16-bit cache and, at batch 64 and 256, for a float8 one too (docs/benchmarks.md).
@@ -233,8 +250,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                            num_splits: int = 1, tile_tokens: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, heads_fastest: bool = True,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           unsplit_tiles: int | None = None) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim], one new token per sequence (already in the cache).
+    num_splits: the most programs a sequence's context is split over; a context of at most
+    unsplit_tiles tiles (by default DECODE_UNSPLIT_TILES) takes one.
     A float8 cache needs k_scale and v_scale (float32, 1 or num_kv_heads values; see fp8.py).
     tile_tokens, num_warps, num_stages (by default DECODE_TILE) and the program
     order are tuning knobs (swept on an H100 on 2026-11-23)."""
@@ -248,26 +268,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        arrivals = zeroed_workspace(q.device, torch.int32, num_seqs * num_kv_heads)   # the kernel leaves it zero
     else:
-        part_out = part_lse = out   # unused
+        part_out = part_lse = arrivals = out   # unused
     block_d = triton.next_power_of_2(head_dim)
     grid = (num_kv_heads, num_splits, num_seqs) if heads_fastest else (num_seqs, num_kv_heads, num_splits)
     if kv_constexprs["KV_FP8"]:   # the kernel reads float8 values two at a time (see _decode_kernel)
         v_cache = v_cache.view(torch.int16)
     _decode_kernel[grid](
-        q, k_cache, v_cache, *scales, block_tables, context_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, *scales, block_tables, context_lens, out, part_out, part_lse, arrivals,
         scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=min(tile_tokens, block_size),
-        NUM_SPLITS=num_splits, PRECISION=_dot_precision(q.dtype), HEADS_FASTEST=heads_fastest, **kv_constexprs,
+        NUM_SPLITS=num_splits, UNSPLIT_TILES=DECODE_UNSPLIT_TILES if unsplit_tiles is None else unsplit_tiles,
+        PRECISION=_dot_precision(q.dtype), HEADS_FASTEST=heads_fastest, **kv_constexprs,
         PTX=cuda_major_capability(q) >= 9, num_warps=num_warps, num_stages=num_stages,
         **_decode_registers(q, kv_constexprs["KV_FP8"]), **pdl_launch(q))
-    if num_splits > 1:
-        _combine_splits_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), **pdl_launch(q))
     return out
 
 

@@ -9,7 +9,7 @@ import torch
 
 from nanovllm.kernels.fp8 import FP8_DTYPE
 from nanovllm.kernels.fp8_linear import QuantizedActivation, num_groups, quantize_activation_ref, quantize_groups
-from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
+from nanovllm.kernels.triton_compat import pdl_launch, start_next_kernel, tl, triton, wait_for_previous_kernel
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -38,6 +38,7 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, scale_ptr, eps, n
                      ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT_GROUP: tl.constexpr,
                      NUM_GROUPS: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
+    start_next_kernel(PDL)
     # ROWS rows per program, each a (token, head) pair; heads only for the per-head q/k norms
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)

@@ -14,7 +14,7 @@ import torch
 
 from nanovllm.kernels.fp8 import check_kv_scales, is_fp8_cache, quantize_fp8
 from nanovllm.kernels.rms_norm import rms_norm_ref
-from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
+from nanovllm.kernels.triton_compat import pdl_launch, start_next_kernel, tl, triton, wait_for_previous_kernel
 
 
 class KVStore(NamedTuple):
@@ -101,6 +101,7 @@ def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cache_ptr, q_weight_ptr, k_weigh
                    BLOCK_KH: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
                    KV_FP8: tl.constexpr, SCALE_STRIDE: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
+    start_next_kernel(PDL)
     token = tl.program_id(0)
     pos = tl.load(positions_ptr + token)
     d = tl.arange(0, HALF)

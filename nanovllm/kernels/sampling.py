@@ -14,7 +14,7 @@ distribution but not the same numbers.
 """
 import torch
 
-from nanovllm.kernels.triton_compat import libdevice, pdl_launch, tl, triton, wait_for_previous_kernel
+from nanovllm.kernels.triton_compat import libdevice, pdl_launch, start_next_kernel, tl, triton, wait_for_previous_kernel
 
 CHUNK = 4096   # vocabulary entries per program of the first pass; each writes its sum and its best index
 
@@ -36,6 +36,7 @@ def _chunk_summary_kernel(scores_ptr, stride_row, temperatures_ptr, chunk_value_
     """Per (row, chunk): the log2-sum-exp2 of scores * log2(e) / temperature (sampled rows), or
     the maximum score (greedy rows), and the index of the chunk's best score."""
     wait_for_previous_kernel(PDL)
+    start_next_kernel(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -71,6 +72,7 @@ def _pick_token_kernel(scores_ptr, stride_row, temperatures_ptr, seeds_ptr, chun
     by Gumbel-max over the chunks' log-sum-exps (so with the chunk's share of the probability), then
     a token of it by Gumbel-max over its scores. Chunk noise and token noise use distinct counters."""
     wait_for_previous_kernel(PDL)
+    start_next_kernel(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_CHUNKS)
     value = tl.load(chunk_value_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from nanovllm.kernels.fp8 import FP8_DTYPE
 from nanovllm.kernels.fp8_linear import QuantizedActivation, num_groups, quantize_activation_ref, quantize_groups
-from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
+from nanovllm.kernels.triton_compat import pdl_launch, start_next_kernel, tl, triton, wait_for_previous_kernel
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -34,6 +34,7 @@ def _silu_and_mul(x_ptr, row, col, mask, N):
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
+    start_next_kernel(PDL)
     row = tl.program_id(0)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < N
@@ -46,6 +47,7 @@ def _silu_and_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, N, NUM_GROUPS, GROUP: tl
     """One program per row and BLOCK columns (the whole row when quantized per token): BLOCK // GROUP
     groups quantized in registers."""
     wait_for_previous_kernel(PDL)
+    start_next_kernel(PDL)
     row = tl.program_id(0)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < N

@@ -1,0 +1,24 @@
+"""Scratch memory that kernels find zeroed and leave zeroed: the float32 sums and int32 arrival
+counts through which the programs of one split reduction meet, the last to arrive finishing the
+work and clearing what it used. No kernel around the reduction has to zero or cast anything.
+
+One buffer per (device, dtype), grown when too small. Calls on one stream share it: a kernel
+finishes (and clears) before the next one touches it.
+"""
+import torch
+
+_buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_outgrown: list[torch.Tensor] = []     # kept alive: CUDA graphs captured with them still write there
+
+
+def zeroed_workspace(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """At least numel zeros of dtype on device (at least 2^14, and at least double the last size
+    when it grows, so a few calls settle the size before CUDA graphs are captured)."""
+    buffer = _buffers.get((device, dtype))
+    if buffer is None or buffer.numel() < numel:
+        if buffer is not None:
+            _outgrown.append(buffer)
+        buffer = torch.zeros(max(numel, 1 << 14, 0 if buffer is None else 2 * buffer.numel()), dtype=dtype,
+                             device=device)
+        _buffers[(device, dtype)] = buffer
+    return buffer
