@@ -61,11 +61,14 @@ def wait_for_previous_kernel(PDL: tl.constexpr):
 
 @triton.jit
 def start_next_kernel(PDL: tl.constexpr):
-    """Let the next kernel launch now rather than when this one ends. A kernel of few programs
-    (norms, rotary, attention, sampling at small batches) leaves most SMs idle: the next kernel's
-    programs take them and wait there, so its launch and start-up overlap this kernel. On an H100
-    (8B shape, docs/benchmarks.md) a batch-1 step with FP8 weights ran 3.58 ms per token, against
-    3.67-3.69 without, and an AWQ step 2% faster. GEMVs and GEMMs, which fill the GPU, never call
-    it: an AWQ step ran 4% slower when its 4-bit GEMVs did."""
+    """Let the next kernel launch now rather than when this one ends, if this one has few programs
+    (at most 128, about one per SM of an H100: norms, rotary, attention and sampling at small
+    batches). They leave most SMs idle; the next kernel's programs take those and wait there, so
+    its launch and start-up overlap this kernel. On an H100 (8B shape, docs/benchmarks.md) a
+    batch-1 step with FP8 weights ran 3.58 ms per token, against 3.67-3.69 without, and an AWQ
+    step 2% faster. GEMVs and GEMMs, which fill the GPU, never call it (an AWQ step ran 4% slower
+    when its 4-bit GEMVs did); larger grids (prefills, big batches) keep the launch at the end,
+    since bench.py ran 1.1% slower when they too started their successors early."""
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        if tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2) <= 128:
+            tl.extra.cuda.gdc_launch_dependents()
