@@ -13,7 +13,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.utils.bench_workload import bench_requests
 from nanovllm.utils.random_checkpoint import cached_shape
 
-KERNEL_GROUPS = [("attention", ("_decode_kernel", "_combine_splits", "_prefill_kernel", "flash", "attention",
+KERNEL_GROUPS = [("attention", ("_decode_kernel", "_prefill_kernel", "flash", "attention",
                                  "fmha", "cutlass::fmha")),
                  ("fused MoE", ("_grouped_gemm_kernel",)), ("rms norm", ("_rms_norm",)), ("q/k norm, rotary, KV store", ("_rotary",)),
                  ("silu*mul", ("_silu_and_mul",)), ("activation quant", ("_quantize_kernel",)), ("GEMM", ("gemm", "cutlass", "sm90", "nvjet", "cublas")),
