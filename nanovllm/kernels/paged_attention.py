@@ -13,9 +13,11 @@ The decode kernel reads float8 values as 16-bit words of two dimensions (see _de
 
 The decode kernel gives one program to each (sequence, KV head, context split): it loads every
 K/V tile once for all query heads of its group, and long contexts can be split over several
-programs whose partial results the last of them to finish combines (flash-decoding, in one
-kernel: a second one cost a batch-1 step of the 8B shape 1.9 us a layer). The prefill kernel gives
-one program to each (query tile, sequence, head).
+programs whose partial results the last of them to finish combines (flash-decoding). A CUDA
+graph fixes the split count for the longest context it may meet; in one kernel, a shorter context
+takes only the splits it fills, and one of at most DECODE_UNSPLIT_TILES tiles skips the combine
+(a second kernel cost 1.9 us a layer whether or not it had anything to combine). The prefill
+kernel gives one program to each (query tile, sequence, head).
 """
 import math
 
@@ -95,7 +97,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
                    stride_out_seq, stride_out_head, stride_cache_block, stride_cache_token, stride_bt,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, UNSPLIT_TILES: tl.constexpr, PRECISION: tl.constexpr, HEADS_FASTEST: tl.constexpr, KV_FP8: tl.constexpr, SCALE_STRIDE: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, UNSPLIT_TILES: tl.constexpr, PRECISION: tl.constexpr,
+                   HEADS_FASTEST: tl.constexpr, KV_FP8: tl.constexpr, SCALE_STRIDE: tl.constexpr,
                    DOT_FP16: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     start_next_kernel(PDL)
@@ -179,7 +182,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
         out = out * tl.load(v_scale_ptr + kv_head * SCALE_STRIDE)
     out_mask = head_mask[:, None] & d_mask[None, :]
     out_offs = seq * stride_out_seq + heads[:, None] * stride_out_head + d[None, :]
-    if NUM_SPLITS == 1:
+    if NUM_SPLITS == 1:   # compiled without the combine below
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     elif busy_splits == 1:
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
