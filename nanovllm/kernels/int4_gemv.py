@@ -293,7 +293,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
     block_m = 1 if one_row else 16
     grid = (column_programs, split_k, triton.cdiv(m, block_m))
     if split_k > 1:   # float32 sums and arrival counts, zero between calls (the kernel leaves them so)
-        partial = zeroed_workspace(x.device, torch.float32, m * n)
+        partial = zeroed_workspace(x.device, torch.float32, max(m * n, 1 << 20))   # 4 MB: settles before graphs
         arrivals = zeroed_workspace(x.device, torch.int32, grid[0] * grid[2])
     else:
         partial = arrivals = out   # unused
