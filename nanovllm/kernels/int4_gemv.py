@@ -237,14 +237,15 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
     mask = (rows < M)[:, None] & col_ok[None, :]
     if SPLIT:
         # the K splits of a tile add into float32 sums; the last to arrive writes the output and
-        # leaves the sums and its arrival count at zero for the next call (no kernels around this one)
-        tl.atomic_add(partial_ptr + offsets, acc, mask=mask, sem="release")
+        # leaves the sums and its arrival count at zero for the next call (no kernels around this one).
+        # The adds are relaxed: the barrier and the arrival's release order them all before the
+        # count, as one fence would (acq_rel, the default, fences each add).
+        tl.atomic_add(partial_ptr + offsets, acc, mask=mask, sem="relaxed")
         tl.debug_barrier()     # every thread's sums are in before the tile counts this program as arrived
         arrivals = arrivals_ptr + pid_m * tl.num_programs(0) + pid_n
         if tl.atomic_add(arrivals, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            # read where the sums were made (an atomic, not a possibly stale cached load)
-            total = tl.atomic_add(partial_ptr + offsets, tl.zeros_like(acc), mask=mask, sem="acquire")
-            total = tl.where(mask, total, 0.0)        # masked lanes return nothing defined
+            # .cg: read from L2, where the other programs' adds were made
+            total = tl.load(partial_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
             if GATED:
                 silu_and_mul_store(out_ptr, total, rows, pid_n * (BLOCK_N // 2), M, N // 2, BLOCK_N)
             else:
