@@ -20,10 +20,11 @@ import torch
 from nanovllm.kernels import paged_attention
 from nanovllm.kernels.fp8 import (FP8_DTYPE, SCALE_FLOOR, check_kv_scales, dequantize_fp8, kv_scale_from_absmax,
                                   quantize_fp8)
-from nanovllm.kernels.paged_attention import (decode_num_splits, paged_attention_ref,
-                                              paged_decode_attention, paged_prefill_attention)
-from nanovllm.kernels.rotary_embedding import KVStore, apply_rotary, apply_rotary_ref, store_kvcache_ref
+from nanovllm.kernels.paged_attention import (decode_num_splits, paged_attention_ref, paged_decode_attention,
+                                              paged_decode_attention_ref, paged_prefill_attention)
+from nanovllm.kernels.rotary_embedding import KVStore, RotaryInputs, apply_rotary, apply_rotary_ref, store_kvcache_ref
 from nanovllm.kernels.triton_compat import HAS_TRITON, tl, triton
+from nanovllm.layers.rotary import RotaryEmbedding
 from tests.test_kernels import (CUDA, DEVICE, EPS, NUM_SMS, TOL, assert_close, dense_attention, fixed_seed,  # noqa: F401
                                 make_paged_cache, needs_triton, packed_qkv, poison_fresh_tensors, store_inputs)
 
@@ -283,6 +284,70 @@ def test_paged_decode_attention_over_fp8_cache(block_size, head_dim, num_kv_head
         assert relative_error(out[i:i + 1], dense_attention(q[i:i + 1], k_float, v_float, scale)) < 0.1
 
 
+FUSED_DECODE_CASES = [  # block_size, head_dim, num_kv_heads, group, context lens (with the new token; 0 pads), splits
+    (16, 64, 2, 2, [1, 33, 160, 0, 17], 1),
+    (16, 128, 1, 4, [300, 2, 129], 3),
+    (16, 64, 2, 1, [40, 256, 0], 4),
+]
+
+
+@needs_triton
+@query_dtypes
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")   # an empty split's log2(0) = -inf
+@pytest.mark.parametrize("cache", ["16-bit", "fp8-layer", "fp8-head"])
+@pytest.mark.parametrize("norm", [True, False], ids=["qk_norm", "no_norm"])
+@pytest.mark.parametrize("block_size,head_dim,num_kv_heads,group,context_lens,splits", FUSED_DECODE_CASES,
+                         ids=[f"case{i}" for i in range(len(FUSED_DECODE_CASES))])
+def test_decode_attention_with_rotary_equals_rotary_then_attention(block_size, head_dim, num_kv_heads, group,
+                                                                   context_lens, splits, norm, cache, dtype):
+    """Given the rotary inputs, the decode kernel does the rotary kernel's work too (q/k norm, rotary,
+    storing the new key and value): it attends as the twins do (apply_rotary_ref, then attention)
+    and leaves the caches as the rotary kernel does. The new token's slot holds NaN until then, so
+    reading it before it is written fails. (In the fp8 tests' file for the interpreter's rounding fix.)"""
+    k_cache, v_cache, block_tables, _ = make_paged_cache(context_lens, block_size, num_kv_heads, head_dim, dtype)
+    num_seqs, scale = len(context_lens), head_dim ** -0.5
+    lens = torch.tensor(context_lens, device=DEVICE)
+    positions = (lens - 1).clamp(min=0)
+    slots = torch.tensor([int(block_tables[i, p // block_size]) * block_size + p % block_size if n else -1
+                          for i, (n, p) in enumerate(zip(context_lens, positions.tolist()))], device=DEVICE)
+    for c in (k_cache, v_cache):
+        c.view(-1, num_kv_heads, head_dim)[slots[slots >= 0]] = float("nan")
+    k_scale = v_scale = None
+    if cache != "16-bit":
+        k_scale, v_scale = (torch.rand(num_kv_heads if cache == "fp8-head" else 1, device=DEVICE) * 0.02 + 0.005
+                            for _ in range(2))
+        k_cache, v_cache = quantize_fp8(k_cache, k_scale), quantize_fp8(v_cache, v_scale)
+    _, q, k, v = packed_qkv(num_seqs, num_kv_heads * group, num_kv_heads, head_dim, dtype)
+    q_before, k_before = q.clone(), k.clone()
+    weights = (torch.randn(head_dim, device=DEVICE).to(dtype), torch.randn(head_dim, device=DEVICE).to(dtype)) \
+        if norm else None
+    rotary = RotaryInputs(positions, RotaryEmbedding(head_dim, 4096, 1e6).cos_sin_cache.to(DEVICE), weights, EPS)
+    caches, caches_twin, caches_rotary = ((k_cache.clone(), v_cache.clone()) for _ in range(3))
+
+    out = paged_decode_attention(q, *caches, lens, block_tables, scale, num_splits=splits, k_scale=k_scale,
+                                 v_scale=v_scale, rotary=rotary, new_kv=(k, v, slots))
+    ref = paged_decode_attention_ref(q, *caches_twin, lens, block_tables, scale, k_scale, v_scale, rotary=rotary,
+                                     new_kv=(k, v, slots))
+    apply_rotary(positions, q.clone(), k.clone(), rotary.cos_sin_cache, weights, EPS,
+                 KVStore(v, *caches_rotary, slots, k_scale, v_scale))
+
+    real = lens > 0
+    assert_close(out[real], ref[real], dtype)
+    assert torch.equal(out[~real], torch.zeros_like(out[~real]))     # a padding row reads and writes nothing
+    assert torch.equal(q, q_before) and torch.equal(k, k_before)     # rotated in registers only
+    bits = torch.uint8 if cache != "16-bit" else torch.int16 if dtype != torch.float32 else torch.int32
+    assert torch.equal(caches[1].view(bits), caches_rotary[1].view(bits))   # values: the same bits, NaN where unused
+    # keys: the same math as the rotary kernel's, so the same bits but for the compiler's choice of
+    # fused multiply-adds (at most one step of the cache's type)
+    k_kernel, k_rotary = (c.view(-1, num_kv_heads, head_dim)[slots[real]] for c in (caches[0], caches_rotary[0]))
+    torch.testing.assert_close(k_kernel.float(), k_rotary.float(),
+                               **(dict(atol=2 ** -9, rtol=2 ** -3) if cache != "16-bit" else TOL[dtype]))
+    rest = torch.ones(caches[0].numel() // head_dim, dtype=torch.bool, device=DEVICE)
+    rest[slots[real].repeat_interleave(num_kv_heads) * num_kv_heads
+         + torch.arange(num_kv_heads, device=DEVICE).repeat(int(real.sum()))] = False
+    assert torch.equal(caches[0].view(-1, head_dim)[rest].view(bits), k_cache.view(-1, head_dim)[rest].view(bits))
+
+
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] != 9,
                     reason="the register cap is measured and applied on Hopper GPUs only")
 def test_fp8_decode_kernel_keeps_to_the_register_cap_on_hopper(monkeypatch):
@@ -384,8 +449,9 @@ def test_paged_prefill_attention_over_fp8_cache(block_size, head_dim, num_kv_hea
 # ---------------------------------------------------------------- the attention layer passes the scales on
 
 def test_attention_layer_stores_and_reads_an_fp8_cache_with_its_scales():
-    """Attention.kv_store hands the scales to the store; the CPU backend reads the cache with them:
-    a decode step over one stored token returns that token's dequantised value."""
+    """The attention layer stores its keys and values with the cache's scales, and the CPU backend
+    reads the cache with them: a decode step over one stored token returns that token's
+    dequantised value."""
     from nanovllm.attention import AttentionMetadata, use_metadata
     from nanovllm.attention.torch_reference import TorchAttention
     from nanovllm.layers.attention import Attention
@@ -397,10 +463,9 @@ def test_attention_layer_stores_and_reads_an_fp8_cache_with_its_scales():
     attn.backend = TorchAttention()
     with use_metadata(AttentionMetadata(is_prefill=False, slot_mapping=torch.tensor([4]), context_lens=torch.tensor([1]),
                                         block_tables=torch.tensor([[1]]))):
-        store = attn.kv_store(v)
-        store_kvcache_ref(k, *store)
-        out = attn(torch.randn(1, 4, 8), k, v)
-    assert store.k_scale is attn.k_scale and store.v_scale is attn.v_scale
+        out = attn(torch.tensor([0]), torch.randn(1, 4, 8), k, v, RotaryEmbedding(8, 16, 1e4))
+    assert torch.equal(attn.v_cache[1, 0].view(torch.uint8), quantize_fp8(v[0], attn.v_scale).view(torch.uint8))
+    assert torch.equal(attn.k_cache[1, 0].view(torch.uint8), quantize_fp8(k[0], attn.k_scale).view(torch.uint8))
     expected_v = dequantize_fp8(quantize_fp8(v, attn.v_scale), attn.v_scale, torch.float32)   # one key: softmax = 1
     assert torch.equal(out.view(4, 8), expected_v[0].repeat_interleave(2, 0))
     assert not torch.equal(expected_v, v)   # the storage did round

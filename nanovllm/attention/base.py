@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nanovllm.kernels.rotary_embedding import KVStore, RotaryInputs
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -43,6 +45,13 @@ class AttentionBackend:
         """Metadata of query_len tokens per sequence over its cached blocks, on fixed buffers (a
         CUDA graph of verify steps): the paged prefill path, whatever the context."""
         return AttentionMetadata(True, slot_mapping, context_lens, block_tables, cu_seqlens_q, query_len, True)
+
+    def rotate_and_attend(self, q: torch.Tensor, k: torch.Tensor, rotary: RotaryInputs, kv_store: KVStore,
+                          metadata: AttentionMetadata, scale: float) -> torch.Tensor | None:
+        """The rotary kernel's work (q/k norm, rotary, the K/V store) and attention in one kernel, for
+        the steps where a backend has one; None otherwise (the layer then rotates, then calls forward).
+        q and k are as the projection left them."""
+        return None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,

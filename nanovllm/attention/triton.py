@@ -15,6 +15,12 @@ except ImportError:   # torch < 2.10
     varlen_attn, _VARLEN_PARAMS = None, {}
 
 
+# Decode batches of at most this many sequences rotate inside the decode attention kernel (one
+# kernel a layer fewer; its programs each redo their heads' norm and rotation, which larger batches
+# pay for: measured slower from 64 sequences on 2026-11-23, docs/benchmarks.md).
+ROTARY_IN_DECODE_MAX_SEQS = 16
+
+
 @dataclasses.dataclass(slots=True)
 class TritonMetadata(AttentionMetadata):
     num_splits: int = 1               # decode: context splits per sequence (see paged_decode_attention)
@@ -36,6 +42,14 @@ class TritonAttention(AttentionBackend):
 
     def _num_splits(self, num_seqs: int) -> int:
         return decode_num_splits(num_seqs, self.num_kv_heads, self.num_sms, self.cache_dtype)
+
+    def rotate_and_attend(self, q, k, rotary, kv_store, metadata, scale):
+        if metadata.is_prefill or q.shape[0] > ROTARY_IN_DECODE_MAX_SEQS:
+            return None
+        return paged_decode_attention(q, kv_store.k_cache, kv_store.v_cache, metadata.context_lens,
+                                      metadata.block_tables, scale, metadata.num_splits, k_scale=kv_store.k_scale,
+                                      v_scale=kv_store.v_scale, rotary=rotary,
+                                      new_kv=(k, kv_store.value, kv_store.slot_mapping))
 
     def forward(self, q, k, v, k_cache, v_cache, metadata, scale, k_scale=None, v_scale=None):
         if not metadata.is_prefill:

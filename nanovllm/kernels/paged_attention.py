@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels.fp8 import FP8_DTYPE, check_kv_scales, dequantize_fp8, is_fp8_cache
+from nanovllm.kernels.rotary_embedding import KVStore, RotaryInputs, apply_rotary_ref, normed_rotated, to_cache
 from nanovllm.kernels.triton_compat import (cuda_major_capability, pdl_launch, start_next_kernel, tl, triton,
                                              wait_for_previous_kernel)
 from nanovllm.kernels.zeroed_workspace import zeroed_workspace
@@ -92,14 +93,24 @@ def _e4m3_byte_to_f16(pairs, HIGH: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
+def _new_token_halves(ptr, stride_seq, seq, kv_head, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+    """The first and second halves [1, HALF] (float32) of one KV head of a sequence's new key or value."""
+    offs = seq * stride_seq + kv_head * HEAD_DIM + tl.arange(0, HALF)[None, :]
+    return tl.load(ptr + offs).to(tl.float32), tl.load(ptr + offs + HALF).to(tl.float32)
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr,
                    out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, scale_log2e, stride_q_seq, stride_q_head,
                    stride_out_seq, stride_out_head, stride_cache_block, stride_cache_token, stride_bt,
+                   positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, eps, k_new_ptr, v_new_ptr, slot_ptr,
+                   stride_k_new, stride_v_new,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, UNSPLIT_TILES: tl.constexpr, PRECISION: tl.constexpr,
                    HEADS_FASTEST: tl.constexpr, KV_FP8: tl.constexpr, SCALE_STRIDE: tl.constexpr,
-                   DOT_FP16: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
+                   DOT_FP16: tl.constexpr, PTX: tl.constexpr, ROTARY: tl.constexpr, NORM: tl.constexpr,
+                   PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     start_next_kernel(PDL)
     if HEADS_FASTEST:   # the KV heads of one token are adjacent in memory: read them together
@@ -107,7 +118,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
     else:
         seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    num_tiles = tl.cdiv(context_len, BLOCK_N)
+    if ROTARY:   # the new token's key and value come from k_new / v_new, not from the cache
+        cached_len = tl.maximum(context_len - 1, 0)
+    else:
+        cached_len = context_len
+    num_tiles = tl.cdiv(cached_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     if num_tiles <= UNSPLIT_TILES:   # a short context is not worth the combine
         tiles_per_split = tl.maximum(num_tiles, 1)
@@ -125,8 +140,20 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
     heads = kv_head * GROUP + g
     head_mask = g < GROUP
     d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
-                mask=head_mask[:, None] & d_mask[None, :], other=0.0)
+    if ROTARY:   # q/k norm and rotary as apply_rotary does them (HEAD_DIM is a power of two)
+        HALF: tl.constexpr = HEAD_DIM // 2
+        pos = tl.load(positions_ptr + seq)
+        half = tl.arange(0, HALF)
+        cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + half)[None, :]
+        sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + half)[None, :]
+        q_offs = seq * stride_q_seq + heads[:, None] * stride_q_head + half[None, :]
+        q1 = tl.load(q_ptr + q_offs, mask=head_mask[:, None], other=0.0).to(tl.float32)
+        q2 = tl.load(q_ptr + q_offs + HALF, mask=head_mask[:, None], other=0.0).to(tl.float32)
+        q1, q2 = normed_rotated(q1, q2, q_norm_ptr, eps, cos, sin, q_ptr.dtype.element_ty, HALF, NORM)
+        q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), [BLOCK_G, BLOCK_D])
+    else:
+        q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
+                    mask=head_mask[:, None] & d_mask[None, :], other=0.0)
     qk_scale = scale_log2e
     if KV_FP8:   # keys are stored divided by k_scale: multiply the scores back
         if DOT_FP16:
@@ -153,7 +180,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
         token = tile * BLOCK_N               # a tile never straddles a block: BLOCK_SIZE % BLOCK_N == 0
         block = tl.load(block_tables_ptr + seq * stride_bt + token // BLOCK_SIZE).to(tl.int64)
         first_slot = block * stride_cache_block + (token % BLOCK_SIZE) * stride_cache_token + kv_head * HEAD_DIM
-        valid = token + n < context_len
+        valid = token + n < cached_len
         k = tl.load(k_cache_ptr + first_slot + tile_offs, mask=valid[:, None] & d_mask[None, :], other=0.0)
         if KV_FP8:
             k = k.to(q.dtype)
@@ -177,6 +204,38 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
 
     if KV_FP8:   # dimension 2i is acc_even[:, i], 2i + 1 is acc_odd[:, i]
         acc = tl.reshape(tl.join(acc_even, acc_odd), [BLOCK_G, BLOCK_D])
+    if ROTARY:
+        if (split == busy_splits - 1) & (context_len > 0):
+            # the last split also owns the new token: it caches the key and value, then attends to
+            # them as the cache holds them (float8: quantised, the scales applied as for the others)
+            k1, k2 = _new_token_halves(k_new_ptr, stride_k_new, seq, kv_head, HEAD_DIM, HALF)
+            k1, k2 = normed_rotated(k1, k2, k_norm_ptr, eps, cos, sin, q_ptr.dtype.element_ty, HALF, NORM)
+            v1, v2 = _new_token_halves(v_new_ptr, stride_v_new, seq, kv_head, HEAD_DIM, HALF)
+            h = kv_head + tl.zeros([1], tl.int32)
+            cache_dtype = k_cache_ptr.dtype.element_ty
+            num_kv_heads: tl.constexpr = NUM_HEADS // GROUP
+            k1 = to_cache(k1, k_scale_ptr, h, cache_dtype, num_kv_heads, SCALE_STRIDE, KV_FP8)
+            k2 = to_cache(k2, k_scale_ptr, h, cache_dtype, num_kv_heads, SCALE_STRIDE, KV_FP8)
+            v1 = to_cache(v1, v_scale_ptr, h, cache_dtype, num_kv_heads, SCALE_STRIDE, KV_FP8)
+            v2 = to_cache(v2, v_scale_ptr, h, cache_dtype, num_kv_heads, SCALE_STRIDE, KV_FP8)
+            slot = tl.load(slot_ptr + seq).to(tl.int64)
+            if slot >= 0:
+                offs = ((slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_token
+                        + kv_head * HEAD_DIM + half[None, :])
+                tl.store(k_cache_ptr + offs, k1)
+                tl.store(k_cache_ptr + offs + HALF, k2)
+                v_cache_bytes = v_cache_ptr.to(tl.pointer_type(cache_dtype))   # float8 values come as words
+                tl.store(v_cache_bytes + offs, v1)
+                tl.store(v_cache_bytes + offs + HALF, v2)
+            k_new = tl.reshape(tl.permute(tl.join(k1.to(tl.float32), k2.to(tl.float32)), (0, 2, 1)), [1, BLOCK_D])
+            v_new = tl.reshape(tl.permute(tl.join(v1.to(tl.float32), v2.to(tl.float32)), (0, 2, 1)), [1, BLOCK_D])
+            s_new = tl.sum(q.to(tl.float32) * k_new, 1) * qk_scale
+            m_new = tl.maximum(m, s_new)
+            alpha = tl.exp2(m - m_new)
+            p_new = tl.exp2(s_new - m_new)
+            l = l * alpha + p_new
+            acc = acc * alpha[:, None] + p_new[:, None] * v_new
+            m = m_new
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     if KV_FP8:   # values are stored divided by v_scale; every split's part is, so the combine stays linear
         out = out * tl.load(v_scale_ptr + kv_head * SCALE_STRIDE)
@@ -254,8 +313,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int = 1, tile_tokens: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, heads_fastest: bool = True,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           unsplit_tiles: int | None = None) -> torch.Tensor:
+                           unsplit_tiles: int | None = None, rotary: RotaryInputs | None = None,
+                           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim], one new token per sequence (already in the cache).
+    Given rotary and new_kv = (keys, values, slot_mapping) of the new tokens instead, q and the keys
+    are as the projection left them: the kernel normalises and rotates them as apply_rotary does,
+    stores the new key and value at their slots and attends to them from registers (one kernel for
+    the rotary kernel's work and attention; paged_decode_attention_ref is the twin).
     num_splits: the most programs a sequence's context is split over; a context of at most
     unsplit_tiles tiles (by default DECODE_UNSPLIT_TILES) takes one.
     A float8 cache needs k_scale and v_scale (float32, 1 or num_kv_heads values; see fp8.py).
@@ -265,6 +329,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     scales, kv_constexprs = _kv_launch_args(q, k_cache, v_cache, k_scale, v_scale)
+    if rotary is not None:
+        k_new, v_new, slot_mapping = new_kv
+        positions, cos_sin_cache, norm_weights, eps = rotary
+        assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
+        assert q.stride(2) == k_new.stride(2) == v_new.stride(2) == 1 and q.stride(1) == head_dim
+        assert k_new.stride(1) == v_new.stride(1) == head_dim and k_cache.is_contiguous() and v_cache.is_contiguous()
+        q_norm, k_norm = norm_weights if norm_weights is not None else (q, q)   # unused
+    else:
+        positions = cos_sin_cache = q_norm = k_norm = k_new = v_new = slot_mapping = q   # unused
+        eps = 0.0
     tile_tokens, num_warps, num_stages = (given if given is not None else default for given, default in
                                           zip((tile_tokens, num_warps, num_stages), DECODE_TILE))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -282,13 +356,30 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, *scales, block_tables, context_lens, out, part_out, part_lse, arrivals,
         scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        positions, cos_sin_cache, q_norm, k_norm, eps, k_new, v_new, slot_mapping, k_new.stride(0), v_new.stride(0),
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=min(tile_tokens, block_size),
         NUM_SPLITS=num_splits, UNSPLIT_TILES=DECODE_UNSPLIT_TILES if unsplit_tiles is None else unsplit_tiles,
         PRECISION=_dot_precision(q.dtype), HEADS_FASTEST=heads_fastest, **kv_constexprs,
-        PTX=cuda_major_capability(q) >= 9, num_warps=num_warps, num_stages=num_stages,
+        PTX=cuda_major_capability(q) >= 9, ROTARY=rotary is not None,
+        NORM=rotary is not None and rotary.norm_weights is not None, num_warps=num_warps, num_stages=num_stages,
         **_decode_registers(q, kv_constexprs["KV_FP8"]), **pdl_launch(q))
     return out
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                               rotary: RotaryInputs | None = None,
+                               new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Torch twin of paged_decode_attention: given rotary, rotate and store first, then attend."""
+    if rotary is not None:
+        k, v, slot_mapping = new_kv
+        q, _ = apply_rotary_ref(rotary.positions, q.clone(), k.clone(), rotary.cos_sin_cache, rotary.norm_weights,
+                                rotary.eps, KVStore(v, k_cache, v_cache, slot_mapping, k_scale, v_scale))
+    cu_seqlens_q = torch.arange(q.shape[0] + 1, device=q.device)
+    return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, k_scale, v_scale)
 
 
 @triton.jit

@@ -28,6 +28,14 @@ class KVStore(NamedTuple):
     v_scale: torch.Tensor | None = None
 
 
+class RotaryInputs(NamedTuple):
+    """What rotating a step's queries and keys takes besides them (see apply_rotary)."""
+    positions: torch.Tensor                                      # [tokens]
+    cos_sin_cache: torch.Tensor                                  # [max_position, head_dim] float32
+    norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None   # the q and k norms' weights
+    eps: float = 1e-6
+
+
 def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
                       v_scale: torch.Tensor | None = None) -> None:
@@ -61,6 +69,20 @@ def apply_rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
 
 @triton.jit
+def normed_rotated(x1, x2, weight_ptr, eps, cos, sin, dtype, HALF: tl.constexpr, NORM: tl.constexpr):
+    """The two halves of heads [heads, HALF] (float32), normalised (NORM) and rotated, rounded to
+    dtype where the unfused rms_norm and rotary round: the fused pass equals norm-then-rotate."""
+    if NORM:
+        d = tl.arange(0, HALF)
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(weight_ptr + d).to(tl.float32)[None, :]
+        w2 = tl.load(weight_ptr + HALF + d).to(tl.float32)[None, :]
+        x1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+
+
+@triton.jit
 def _rotate_heads(x_ptr, weight_ptr, eps, stride_token, token, cos, sin, NUM_HEADS: tl.constexpr,
                   BLOCK_H: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
     """Rotate (after normalising) the heads of one token in place; returns the two rotated halves."""
@@ -70,22 +92,14 @@ def _rotate_heads(x_ptr, weight_ptr, eps, stride_token, token, cos, sin, NUM_HEA
     mask = (h < NUM_HEADS)[:, None]
     x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
-    if NORM:   # rounded where rms_norm rounds, so the fused pass equals norm-then-rotate
-        dtype = x_ptr.dtype.element_ty
-        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-        w1 = tl.load(weight_ptr + d).to(tl.float32)[None, :]
-        w2 = tl.load(weight_ptr + HALF + d).to(tl.float32)[None, :]
-        x1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        x2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    y1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
-    y2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
+    y1, y2 = normed_rotated(x1, x2, weight_ptr, eps, cos, sin, x_ptr.dtype.element_ty, HALF, NORM)
     tl.store(x_ptr + offs, y1, mask=mask)
     tl.store(x_ptr + offs + HALF, y2, mask=mask)
     return y1, y2
 
 
 @triton.jit
-def _to_cache(x, scale_ptr, h, dtype, NUM_HEADS: tl.constexpr, SCALE_STRIDE: tl.constexpr, KV_FP8: tl.constexpr):
+def to_cache(x, scale_ptr, h, dtype, NUM_HEADS: tl.constexpr, SCALE_STRIDE: tl.constexpr, KV_FP8: tl.constexpr):
     """x [heads, d] as the cache stores it; for float8, x / scale (correctly rounded, as torch
     divides) clamped to e4m3's range (fp8.FP8_MAX, 448) before rounding to e4m3."""
     if KV_FP8:
@@ -117,16 +131,16 @@ def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cache_ptr, q_weight_ptr, k_weigh
             row = h[:, None] * (2 * HALF) + d[None, :]
             cache_offs = slot * (NUM_K_HEADS * 2 * HALF) + row
             dtype = k_cache_ptr.dtype.element_ty   # float8: quantised from k as rounded to its dtype, like the twin
-            tl.store(k_cache_ptr + cache_offs, _to_cache(k1, k_scale_ptr, h, dtype, NUM_K_HEADS, SCALE_STRIDE, KV_FP8),
+            tl.store(k_cache_ptr + cache_offs, to_cache(k1, k_scale_ptr, h, dtype, NUM_K_HEADS, SCALE_STRIDE, KV_FP8),
                      mask=mask)
             tl.store(k_cache_ptr + cache_offs + HALF,
-                     _to_cache(k2, k_scale_ptr, h, dtype, NUM_K_HEADS, SCALE_STRIDE, KV_FP8), mask=mask)
+                     to_cache(k2, k_scale_ptr, h, dtype, NUM_K_HEADS, SCALE_STRIDE, KV_FP8), mask=mask)
             v1 = tl.load(v_ptr + token * stride_v + row, mask=mask)
             v2 = tl.load(v_ptr + token * stride_v + row + HALF, mask=mask)
-            tl.store(v_cache_ptr + cache_offs, _to_cache(v1, v_scale_ptr, h, dtype, NUM_K_HEADS, SCALE_STRIDE, KV_FP8),
+            tl.store(v_cache_ptr + cache_offs, to_cache(v1, v_scale_ptr, h, dtype, NUM_K_HEADS, SCALE_STRIDE, KV_FP8),
                      mask=mask)
             tl.store(v_cache_ptr + cache_offs + HALF,
-                     _to_cache(v2, v_scale_ptr, h, dtype, NUM_K_HEADS, SCALE_STRIDE, KV_FP8), mask=mask)
+                     to_cache(v2, v_scale_ptr, h, dtype, NUM_K_HEADS, SCALE_STRIDE, KV_FP8), mask=mask)
 
 
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from nanovllm.kernels.rotary_embedding import KVStore, apply_rotary, apply_rotary_ref
+from nanovllm.kernels.rotary_embedding import KVStore, RotaryInputs, apply_rotary, apply_rotary_ref
 from nanovllm.layers.layernorm import RMSNorm
 
 # rope types (the `rope_type` of a config's rope parameters) this layer computes
@@ -58,5 +58,11 @@ class RotaryEmbedding(nn.Module):
         """Given q_norm and k_norm, each head is normalised first; given kv_store, the rotated keys
         and the values are then written to the cache. On the GPU all of it is one kernel."""
         rotate = apply_rotary if q.is_cuda else apply_rotary_ref
+        inputs = self.inputs(positions, q_norm, k_norm)
+        return rotate(positions, q, k, inputs.cos_sin_cache, inputs.norm_weights, inputs.eps, kv_store)
+
+    def inputs(self, positions: torch.Tensor, q_norm: RMSNorm | None = None,
+               k_norm: RMSNorm | None = None) -> RotaryInputs:
+        """What a kernel needs besides q and k to do this layer's work (see paged_decode_attention)."""
         norm_weights = (q_norm.weight, k_norm.weight) if q_norm is not None else None
-        return rotate(positions, q, k, self.cos_sin_cache, norm_weights, q_norm.eps if q_norm else 0.0, kv_store)
+        return RotaryInputs(positions, self.cos_sin_cache, norm_weights, q_norm.eps if q_norm else 0.0)

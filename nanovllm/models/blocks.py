@@ -53,8 +53,7 @@ class SelfAttention(nn.Module):
         qkv = self.qkv_proj(hidden_states)
         qkv = qkv.view(qkv.shape[0], -1, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm, kv_store=self.attn.kv_store(v))
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(positions, q, k, v, self.rotary_emb, self.q_norm, self.k_norm))
 
 
 class GatedMLP(nn.Module):
