@@ -57,10 +57,11 @@ class Int4GemvConfig(NamedTuple):
 
 # 2-16 rows: 256 columns x 16 words a step, ~2.5 SASS instructions per weight in the loop (sm_90, Triton 3.9)
 DEFAULT_CONFIG = Int4GemvConfig(256, 128, 4, 3)
-# One row, from a sweep of the Qwen3-8B projections on one H100 (docs/benchmarks.md): 256 columns
-# in sub-steps of 2 words (each lane holds 2 rows of 8 columns, ~3.5 instructions per weight), and
-# for wide layers (columns >= 4x rows: gate_up) single-warp programs of 128 columns.
-ONE_ROW_CONFIG = Int4GemvConfig(256, 128, 4, 1, sub_words=2)
+# One row, from sweeps of the Qwen3-8B projections on one H100 (docs/benchmarks.md): single-warp
+# programs in sub-steps of 2 words (~3.5 instructions per weight), of 64 columns (qkv, o and down:
+# 9.6, 8.3 and 14.9 us against 9.8, 9.0 and 16.4 for four-warp programs of 256) or, for wide layers
+# (columns >= 4x rows: gate_up), 128.
+ONE_ROW_CONFIG = Int4GemvConfig(64, 128, 1, 1, sub_words=2)
 WIDE_ONE_ROW_CONFIG = Int4GemvConfig(128, 128, 1, 1, sub_words=2)
 # One row splits K until about this many warps per SM stream the weight (the best split of each
 # projection in that sweep)
