@@ -348,6 +348,47 @@ def test_decode_attention_with_rotary_equals_rotary_then_attention(block_size, h
     assert torch.equal(caches[0].view(-1, head_dim)[rest].view(bits), k_cache.view(-1, head_dim)[rest].view(bits))
 
 
+@needs_triton
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")   # NaN-poisoned slots the kernel masks out
+def test_triton_backend_rotates_inside_decode_attention_for_small_16_bit_decodes_only(monkeypatch):
+    """A decode step of at most ROTARY_IN_DECODE_MAX_SEQS sequences over a 16-bit cache takes the
+    one-kernel path; the layer's output and cache are those of the rotary kernel then attention."""
+    from nanovllm.attention import triton as triton_backend, use_metadata
+    from nanovllm.layers.attention import Attention
+    context_lens, num_kv_heads, head_dim = [5, 40, 17], 2, 64
+    k_cache, v_cache, block_tables, _ = make_paged_cache(context_lens, 16, num_kv_heads, head_dim, torch.float32)
+    lens = torch.tensor(context_lens, device=DEVICE)
+    slots = torch.stack([block_tables[i, (n - 1) // 16] * 16 + (n - 1) % 16 for i, n in enumerate(context_lens)])
+    _, q, k, v = packed_qkv(len(context_lens), 2 * num_kv_heads, num_kv_heads, head_dim, torch.float32)
+    backend = triton_backend.TritonAttention(NUM_SMS, num_kv_heads, torch.float32)
+    rotary_emb = RotaryEmbedding(head_dim, 4096, 1e6).to(DEVICE)
+    took_fused_path = []
+    rotate_and_attend = backend.rotate_and_attend
+
+    def recording(*args):
+        out = rotate_and_attend(*args)
+        took_fused_path.append(out is not None)
+        return out
+    monkeypatch.setattr(backend, "rotate_and_attend", recording)
+
+    def step(max_seqs):
+        monkeypatch.setattr(triton_backend, "ROTARY_IN_DECODE_MAX_SEQS", max_seqs)
+        attn = Attention(2 * num_kv_heads, num_kv_heads, head_dim, head_dim ** -0.5)
+        attn.k_cache, attn.v_cache, attn.backend = k_cache.clone(), v_cache.clone(), backend
+        with use_metadata(backend.decode_metadata(slots, lens, block_tables)):
+            out = attn(lens - 1, q.clone(), k.clone(), v, rotary_emb)
+        return out, attn.k_cache, attn.v_cache
+
+    fused, separate = step(16), step(2)
+    assert took_fused_path == [True, False]    # 3 sequences: within 16, above 2
+    for a, b in zip(fused, separate):
+        assert_close(a.nan_to_num(7.0), b.nan_to_num(7.0), torch.float32)
+    kv_store = KVStore(v, quantize_fp8(k_cache, torch.tensor([0.01])), quantize_fp8(v_cache, torch.tensor([0.01])),
+                       slots, torch.tensor([0.01]), torch.tensor([0.01]))
+    metadata = backend.decode_metadata(slots, lens, block_tables)
+    assert rotate_and_attend(q, k, rotary_emb.inputs(lens - 1), kv_store, metadata, 0.1) is None   # float8: not yet
+
+
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] != 9,
                     reason="the register cap is measured and applied on Hopper GPUs only")
 def test_fp8_decode_kernel_keeps_to_the_register_cap_on_hopper(monkeypatch):

@@ -16,8 +16,10 @@ K/V tile once for all query heads of its group, and long contexts can be split o
 programs whose partial results the last of them to finish combines (flash-decoding). A CUDA
 graph fixes the split count for the longest context it may meet; in one kernel, a shorter context
 takes only the splits it fills, and one of at most DECODE_UNSPLIT_TILES tiles skips the combine
-(a second kernel cost 1.9 us a layer whether or not it had anything to combine). The prefill
-kernel gives one program to each (query tile, sequence, head).
+(a second kernel cost 1.9 us a layer whether or not it had anything to combine). Given the rotary
+inputs, it also does the rotary kernel's work for small batches: each program normalises and
+rotates its heads' queries, and the last split stores the new key and value and attends to them
+from registers. The prefill kernel gives one program to each (query tile, sequence, head).
 """
 import math
 
