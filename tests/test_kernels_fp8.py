@@ -284,10 +284,10 @@ def test_paged_decode_attention_over_fp8_cache(block_size, head_dim, num_kv_head
         assert relative_error(out[i:i + 1], dense_attention(q[i:i + 1], k_float, v_float, scale)) < 0.1
 
 
-FUSED_DECODE_CASES = [  # block_size, head_dim, num_kv_heads, group, context lens (with the new token; 0 pads), splits
-    (16, 64, 2, 2, [1, 33, 160, 0, 17], 1),
-    (16, 128, 1, 4, [300, 2, 129], 3),
-    (16, 64, 2, 1, [40, 256, 0], 4),
+FUSED_DECODE_CASES = [  # block_size, head_dim, kv_heads, group, context lens (with the new token; 0 pads), splits, q/k norm
+    (16, 64, 2, 2, [1, 33, 160, 0, 17], 1, True),
+    (16, 128, 1, 4, [300, 2, 129], 3, True),
+    (16, 64, 2, 1, [40, 256, 0], 4, False),
 ]
 
 
@@ -295,8 +295,7 @@ FUSED_DECODE_CASES = [  # block_size, head_dim, num_kv_heads, group, context len
 @query_dtypes
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")   # an empty split's log2(0) = -inf
 @pytest.mark.parametrize("cache", ["16-bit", "fp8-layer", "fp8-head"])
-@pytest.mark.parametrize("norm", [True, False], ids=["qk_norm", "no_norm"])
-@pytest.mark.parametrize("block_size,head_dim,num_kv_heads,group,context_lens,splits", FUSED_DECODE_CASES,
+@pytest.mark.parametrize("block_size,head_dim,num_kv_heads,group,context_lens,splits,norm", FUSED_DECODE_CASES,
                          ids=[f"case{i}" for i in range(len(FUSED_DECODE_CASES))])
 def test_decode_attention_with_rotary_equals_rotary_then_attention(block_size, head_dim, num_kv_heads, group,
                                                                    context_lens, splits, norm, cache, dtype):
