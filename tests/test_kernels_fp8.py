@@ -284,6 +284,12 @@ def test_paged_decode_attention_over_fp8_cache(block_size, head_dim, num_kv_head
         assert relative_error(out[i:i + 1], dense_attention(q[i:i + 1], k_float, v_float, scale)) < 0.1
 
 
+def new_token_slots(block_tables: torch.Tensor, context_lens: list[int], block_size: int) -> torch.Tensor:
+    """The cache slot of each sequence's last position (its new token); -1 for a padding row (0)."""
+    return torch.tensor([int(block_tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size if n else -1
+                         for i, n in enumerate(context_lens)], device=DEVICE)
+
+
 FUSED_DECODE_CASES = [  # block_size, head_dim, kv_heads, group, context lens (with the new token; 0 pads), splits, q/k norm
     (16, 64, 2, 2, [1, 33, 160, 0, 17], 1, True),
     (16, 128, 1, 4, [300, 2, 129], 3, True),
@@ -307,8 +313,7 @@ def test_decode_attention_with_rotary_equals_rotary_then_attention(block_size, h
     num_seqs, scale = len(context_lens), head_dim ** -0.5
     lens = torch.tensor(context_lens, device=DEVICE)
     positions = (lens - 1).clamp(min=0)
-    slots = torch.tensor([int(block_tables[i, p // block_size]) * block_size + p % block_size if n else -1
-                          for i, (n, p) in enumerate(zip(context_lens, positions.tolist()))], device=DEVICE)
+    slots = new_token_slots(block_tables, context_lens, block_size)
     for c in (k_cache, v_cache):
         c.view(-1, num_kv_heads, head_dim)[slots[slots >= 0]] = float("nan")
     k_scale = v_scale = None
@@ -357,7 +362,7 @@ def test_triton_backend_rotates_inside_decode_attention_for_small_16_bit_decodes
     context_lens, num_kv_heads, head_dim = [5, 40, 17], 2, 64
     k_cache, v_cache, block_tables, _ = make_paged_cache(context_lens, 16, num_kv_heads, head_dim, torch.float32)
     lens = torch.tensor(context_lens, device=DEVICE)
-    slots = torch.stack([block_tables[i, (n - 1) // 16] * 16 + (n - 1) % 16 for i, n in enumerate(context_lens)])
+    slots = new_token_slots(block_tables, context_lens, 16)
     _, q, k, v = packed_qkv(len(context_lens), 2 * num_kv_heads, num_kv_heads, head_dim, torch.float32)
     backend = triton_backend.TritonAttention(NUM_SMS, num_kv_heads, torch.float32)
     rotary_emb = RotaryEmbedding(head_dim, 4096, 1e6).to(DEVICE)

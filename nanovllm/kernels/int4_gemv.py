@@ -240,7 +240,7 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
         # the K splits of a tile add into float32 sums; the last to arrive writes the output and
         # leaves the sums and its arrival count at zero for the next call (no kernels around this one).
         # The adds are relaxed: the barrier and the arrival's release order them all before the
-        # count, as one fence would (acq_rel, the default, fences each add).
+        # count, as one fence would (release or acq_rel adds fence each one).
         tl.atomic_add(partial_ptr + offsets, acc, mask=mask, sem="relaxed")
         tl.debug_barrier()     # every thread's sums are in before the tile counts this program as arrived
         arrivals = arrivals_ptr + pid_m * tl.num_programs(0) + pid_n

@@ -102,6 +102,12 @@ def _new_token_halves(ptr, stride_seq, seq, kv_head, HEAD_DIM: tl.constexpr, HAL
 
 
 @triton.jit
+def _joined_halves(first, second, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows [ROWS, BLOCK_D] whose first half is `first` and second half `second` ([ROWS, BLOCK_D // 2])."""
+    return tl.reshape(tl.permute(tl.join(first, second), (0, 2, 1)), [ROWS, BLOCK_D])
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr,
                    out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, scale_log2e, stride_q_seq, stride_q_head,
                    stride_out_seq, stride_out_head, stride_cache_block, stride_cache_token, stride_bt,
@@ -152,7 +158,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
         q1 = tl.load(q_ptr + q_offs, mask=head_mask[:, None], other=0.0).to(tl.float32)
         q2 = tl.load(q_ptr + q_offs + HALF, mask=head_mask[:, None], other=0.0).to(tl.float32)
         q1, q2 = normed_rotated(q1, q2, q_norm_ptr, eps, cos, sin, q_ptr.dtype.element_ty, HALF, NORM)
-        q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), [BLOCK_G, BLOCK_D])
+        q = _joined_halves(q1, q2, BLOCK_G, BLOCK_D)
     else:
         q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
                     mask=head_mask[:, None] & d_mask[None, :], other=0.0)
@@ -229,8 +235,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
                 v_cache_bytes = v_cache_ptr.to(tl.pointer_type(cache_dtype))   # float8 values come as words
                 tl.store(v_cache_bytes + offs, v1)
                 tl.store(v_cache_bytes + offs + HALF, v2)
-            k_new = tl.reshape(tl.permute(tl.join(k1.to(tl.float32), k2.to(tl.float32)), (0, 2, 1)), [1, BLOCK_D])
-            v_new = tl.reshape(tl.permute(tl.join(v1.to(tl.float32), v2.to(tl.float32)), (0, 2, 1)), [1, BLOCK_D])
+            k_new = _joined_halves(k1.to(tl.float32), k2.to(tl.float32), 1, BLOCK_D)
+            v_new = _joined_halves(v1.to(tl.float32), v2.to(tl.float32), 1, BLOCK_D)
             s_new = tl.sum(q.to(tl.float32) * k_new, 1) * qk_scale
             m_new = tl.maximum(m, s_new)
             alpha = tl.exp2(m - m_new)
@@ -378,8 +384,8 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """Torch twin of paged_decode_attention: given rotary, rotate and store first, then attend."""
     if rotary is not None:
         k, v, slot_mapping = new_kv
-        q, _ = apply_rotary_ref(rotary.positions, q.clone(), k.clone(), rotary.cos_sin_cache, rotary.norm_weights,
-                                rotary.eps, KVStore(v, k_cache, v_cache, slot_mapping, k_scale, v_scale))
+        q, _ = apply_rotary_ref(rotary.positions, q, k, rotary.cos_sin_cache, rotary.norm_weights, rotary.eps,
+                                KVStore(v, k_cache, v_cache, slot_mapping, k_scale, v_scale))
     cu_seqlens_q = torch.arange(q.shape[0] + 1, device=q.device)
     return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, k_scale, v_scale)
 
