@@ -41,6 +41,20 @@ def test_activation_kernel_matches_twin(dtype, m, k, group):
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_activation_kernel_rounds_subnormal_ties_to_even(dtype):
+    # absmax 448 makes the scale 1: x / scale lands exactly on halfway points between e4m3
+    # subnormals (steps of 2^-9), where rounding up and rounding to even differ
+    ties = torch.tensor([1, 3, 5, 7, -3, -5, 9, 15], dtype=torch.float32) * 2 ** -10
+    x = torch.cat([torch.tensor([448.0]), ties, -ties[:7]]).reshape(1, 16).to(dtype).to(DEVICE)
+    q, s = quantize_activation(x, 16)
+    q_ref, s_ref = quantize_activation_ref(x, 16)
+    assert s.item() == 1.0 and s_ref.item() == 1.0
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    # torch's cast rounds these ties to even: 2^-10 -> 0, 3 * 2^-10 and 5 * 2^-10 -> 2 * 2^-9
+    assert q_ref.float()[0, 1:4].mul(512).tolist() == [0.0, 2.0, 2.0]
+
+
 def test_static_activation_scale_is_used_as_is():
     x = torch.randn(4, 64).to(DEVICE)
     scale = torch.tensor([0.05], device=DEVICE)

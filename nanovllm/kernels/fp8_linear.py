@@ -92,7 +92,11 @@ def round_to_e4m3(x):
     power of two wrongly (127 -> 64), GPUs do not; both now give the same bits."""
     bits = x.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)   # 3 mantissa bits
-    subnormal = tl.floor(x * 512.0 + 0.5) / 512.0     # below 2^-6 the step is 2^-9
+    # below 2^-6 the step is 2^-9: |x| * 512 (exact) plus 1.5 * 2^23 has no fraction bits left, so
+    # the add rounds to an integer, ties to even as the float unit does (as torch's cast does);
+    # then x's sign goes back on (-0 stays -0)
+    magnitude = (tl.abs(x) * 512.0 + 12582912.0 - 12582912.0) * 0.001953125
+    subnormal = (magnitude.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
 
 
@@ -102,8 +106,8 @@ def quantize_groups(y, ROWS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.conste
     quantize_activation_ref's math over groups of GROUP columns held in registers, for the kernel
     that produces an activation to quantize it in its own pass (rms_norm.py, silu_and_mul.py)."""
     groups = tl.reshape(y, [ROWS, BLOCK // GROUP, GROUP])
-    scale = tl.maximum(tl.max(tl.abs(groups), 2) / 448.0, 1e-12)
-    q = round_to_e4m3(tl.minimum(tl.maximum(groups / scale[:, :, None], -448.0), 448.0))
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(groups), 2), 448.0), 1e-12)
+    q = round_to_e4m3(tl.minimum(tl.maximum(tl.div_rn(groups, scale[:, :, None]), -448.0), 448.0))
     return tl.reshape(q, [ROWS, BLOCK]), scale
 
 
@@ -123,12 +127,13 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, GROUP, NUM_GR
             cols = off + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + row * stride_x + cols, mask=cols < end, other=0.0).to(tl.float32)
             absmax = tl.maximum(absmax, tl.abs(x))
-        scale = tl.maximum(tl.max(absmax, axis=0) / 448.0, 1e-12)
+        # div_rn: correctly rounded like torch's division (Triton's `/` is the approximate div.full)
+        scale = tl.maximum(tl.div_rn(tl.max(absmax, axis=0), 448.0), 1e-12)
     tl.store(s_ptr + row * NUM_GROUPS + group, scale)
     for off in range(start, end, BLOCK):
         cols = off + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < end, other=0.0).to(tl.float32)
-        q = round_to_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))
+        q = round_to_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0))
         tl.store(q_ptr + row * K + cols, q.to(tl.float8e4nv), mask=cols < end)
 
 
