@@ -387,8 +387,8 @@ def test_triton_backend_rotates_inside_decode_attention_for_small_16_bit_decodes
     assert took_fused_path == [True, False]    # 3 sequences: within 16, above 2
     for a, b in zip(fused, separate):
         assert_close(a.nan_to_num(7.0), b.nan_to_num(7.0), torch.float32)
-    kv_store = KVStore(v, quantize_fp8(k_cache, torch.tensor([0.01])), quantize_fp8(v_cache, torch.tensor([0.01])),
-                       slots, torch.tensor([0.01]), torch.tensor([0.01]))
+    scale = torch.tensor([0.01], device=DEVICE)
+    kv_store = KVStore(v, quantize_fp8(k_cache, scale), quantize_fp8(v_cache, scale), slots, scale, scale)
     metadata = backend.decode_metadata(slots, lens, block_tables)
     assert rotate_and_attend(q, k, rotary_emb.inputs(lens - 1), kv_store, metadata, 0.1) is None   # float8: not yet
 

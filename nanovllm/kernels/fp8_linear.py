@@ -67,7 +67,8 @@ def quantize_activation_ref(x: torch.Tensor, group_size: int,
     else:
         padded = torch.nn.functional.pad(x.float(), (0, num_groups(k, group_size) * group_size - k))
         absmax = padded.abs().reshape(m, -1, group_size).amax(dim=-1)
-        scales = (absmax / FP8_MAX).clamp_min(ACT_SCALE_FLOOR)
+        # times the float32 reciprocal, not divided: torch divides by a Python number that way on CUDA
+        scales = (absmax * (1 / FP8_MAX)).clamp_min(ACT_SCALE_FLOOR)
     x_q = (x.float() / scales.repeat_interleave(group_size, dim=1)[:, :k]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return x_q, scales.contiguous()
 
@@ -106,7 +107,7 @@ def quantize_groups(y, ROWS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.conste
     quantize_activation_ref's math over groups of GROUP columns held in registers, for the kernel
     that produces an activation to quantize it in its own pass (rms_norm.py, silu_and_mul.py)."""
     groups = tl.reshape(y, [ROWS, BLOCK // GROUP, GROUP])
-    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(groups), 2), 448.0), 1e-12)
+    scale = tl.maximum(tl.max(tl.abs(groups), 2) * (1.0 / 448.0), 1e-12)
     q = round_to_e4m3(tl.minimum(tl.maximum(tl.div_rn(groups, scale[:, :, None]), -448.0), 448.0))
     return tl.reshape(q, [ROWS, BLOCK]), scale
 
@@ -127,12 +128,12 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, GROUP, NUM_GR
             cols = off + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + row * stride_x + cols, mask=cols < end, other=0.0).to(tl.float32)
             absmax = tl.maximum(absmax, tl.abs(x))
-        # div_rn: correctly rounded like torch's division (Triton's `/` is the approximate div.full)
-        scale = tl.maximum(tl.div_rn(tl.max(absmax, axis=0), 448.0), 1e-12)
+        scale = tl.maximum(tl.max(absmax, axis=0) * (1.0 / 448.0), 1e-12)
     tl.store(s_ptr + row * NUM_GROUPS + group, scale)
     for off in range(start, end, BLOCK):
         cols = off + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < end, other=0.0).to(tl.float32)
+        # div_rn: correctly rounded as torch's division of two tensors (Triton's `/` is div.full, approximate)
         q = round_to_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0))
         tl.store(q_ptr + row * K + cols, q.to(tl.float8e4nv), mask=cols < end)
 
