@@ -171,3 +171,32 @@ def test_verify_step_graphs_give_the_eager_logits(model_path):
     assert replayed.shape == (q_lens.sum(), vocab)
     assert relative_error(replayed, eager) < 1e-3
     llm.shutdown()
+
+
+def test_awq_decode_leaves_split_sums_to_the_residual_norms(tmp_path, monkeypatch):
+    """A 4-bit model in bfloat16 on CUDA: o_proj and down_proj hand their split-K sums to the next
+    residual RMSNorm (PendingSums) at decode, eager and in CUDA graphs, and the tokens are those of
+    the same engine with every GEMV finishing its own sums."""
+    from nanovllm.kernels.zeroed_workspace import PendingSums
+    from nanovllm.layers.linear import RowParallelLinear
+    from nanovllm.quantization import weight_only
+    from nanovllm.utils.quantized_checkpoint import write_awq_checkpoint
+    from nanovllm.utils.random_checkpoint import write_tiny_model
+    source = write_tiny_model(str(tmp_path / "source"), seed=21, hidden_size=256, intermediate_size=512,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    path = write_awq_checkpoint(source, str(tmp_path / "awq"), group_size=128)
+    prompts = mixed_prompts(500, lengths=(7, 30, 1), seed=5)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    pending = []
+    gemv = weight_only.int4_gemv
+    monkeypatch.setattr(weight_only, "int4_gemv",
+                        lambda *a, **kw: (out := gemv(*a, **kw), pending.append(isinstance(out, PendingSums)))[0])
+    left, _ = generate_and_free(path, prompts, params, device="cuda", dtype="bfloat16", enforce_eager=True)
+    assert any(pending)
+    pending.clear()
+    in_graphs, _ = generate_and_free(path, prompts, params, device="cuda", dtype="bfloat16")
+    assert any(pending) and in_graphs == left
+    pending.clear()
+    monkeypatch.setattr(RowParallelLinear, "feed_residual_norm", lambda self: None)
+    finished, _ = generate_and_free(path, prompts, params, device="cuda", dtype="bfloat16", enforce_eager=True)
+    assert not any(pending) and finished == left

@@ -220,3 +220,28 @@ def test_split_k_leaves_its_workspace_zero():
     assert torch.equal(again, first)
     floats, counts = (zeroed_workspace(x_small.device, kind, 0) for kind in (torch.float32, torch.int32))
     assert not floats.any() and not counts.any()
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_left_sums_are_finished_and_cleared_by_the_residual_norm(rows, monkeypatch):
+    """leave_sums: the splits' float32 sums stay in the workspace (no program finishes them); the
+    residual RMSNorm then gives what it gives on the finished output, and leaves the workspace zero."""
+    from nanovllm.kernels.rms_norm import rms_norm
+    from nanovllm.kernels.zeroed_workspace import PendingSums, zeroed_workspace
+    monkeypatch.setattr(int4_gemv_module, "ONE_ROW_MIN_WEIGHTS", 0)     # one row: the element-wise path
+    dtype = DTYPES[-1]      # float16: the norm rounds the sums to it, as the finishing program would
+    k, n, group_size = 512, 256, 128
+    layer = awq_layer(k, n, group_size, dtype, seed=7)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE, dtype)
+    args = (layer["qweight"], layer["scales"], layer["scaled_zeros"], group_size)
+    finished = int4_gemv(x, *args, split_k=4)
+    pending = int4_gemv(x, *args, split_k=4, leave_sums=True)
+    assert isinstance(pending, PendingSums) and pending.dtype == dtype and pending.sums.shape == (rows, n)
+    torch.testing.assert_close(pending.sums.to(dtype), finished, rtol=0, atol=1e-3)
+    weight = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    residual = torch.randn(rows, n, generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype)
+    expected = rms_norm(pending.sums.to(dtype), weight, 1e-6, residual.clone())
+    out, new_residual = rms_norm(pending, weight, 1e-6, residual.clone())
+    assert torch.equal(out, expected[0]) and torch.equal(new_residual, expected[1])
+    assert not zeroed_workspace(x.device, torch.float32, 0).any()
+    assert int4_gemv(x, *args, split_k=1, leave_sums=True).dtype == dtype    # nothing split: finished as usual

@@ -4,12 +4,16 @@ Rounds like Hugging Face's RMSNorm layers: normalise in float32, round to the in
 
 `rms_norm_quant` writes the output quantized to float8 for an FP8 linear layer instead (with its scales,
 per token or per token and group): the bits `quantize_activation_ref` gives for the 16-bit output.
+
+With a residual, x may also be the float32 sums a split reduction left unfinished (PendingSums): the
+norm rounds them to the residual's dtype, as the reduction would have, and clears them.
 """
 import torch
 
 from nanovllm.kernels.fp8 import FP8_DTYPE
 from nanovllm.kernels.fp8_linear import QuantizedActivation, num_groups, quantize_activation_ref, quantize_groups
 from nanovllm.kernels.triton_compat import pdl_launch, start_next_kernel, tl, triton, wait_for_previous_kernel
+from nanovllm.kernels.zeroed_workspace import PendingSums
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -36,7 +40,7 @@ def rms_norm_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, group_
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, scale_ptr, eps, num_rows, stride_x_row,
                      stride_x_head, NUM_HEADS: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr,
                      ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT_GROUP: tl.constexpr,
-                     NUM_GROUPS: tl.constexpr, PDL: tl.constexpr):
+                     NUM_GROUPS: tl.constexpr, PDL: tl.constexpr, PENDING_SUMS: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     start_next_kernel(PDL)
     # ROWS rows per program, each a (token, head) pair; heads only for the per-head q/k norms
@@ -46,6 +50,9 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, scale_ptr, eps, n
     x_offs = ((rows // NUM_HEADS) * stride_x_row + (rows % NUM_HEADS) * stride_x_head)[:, None] + cols[None, :]
     own_offs = rows[:, None] * N + cols[None, :]
     x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
+    if PENDING_SUMS:    # float32 sums in the workspace: rounded as the reduction would, then cleared
+        tl.store(x_ptr + x_offs, tl.zeros_like(x), mask=mask)
+        x = x.to(residual_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         x = x + tl.load(residual_ptr + own_offs, mask=mask, other=0.0)
         tl.store(residual_ptr + own_offs, x, mask=mask)
@@ -64,7 +71,7 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, scale_ptr, eps, n
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-            out: torch.Tensor, scales: torch.Tensor | None, quant_group: int) -> None:
+            out: torch.Tensor, scales: torch.Tensor | None, quant_group: int, pending_sums: bool = False) -> None:
     x3 = x if x.dim() == 3 else x.unsqueeze(1)
     assert x3.stride(2) == 1 and (residual is None or (residual.is_contiguous() and residual.shape == x.shape))
     num_tokens, num_heads, n = x3.shape
@@ -75,15 +82,20 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
         x3, residual if residual is not None else x3, weight, out, scales if scales is not None else out, eps,
         num_rows, x3.stride(0), x3.stride(1), NUM_HEADS=num_heads, N=n, BLOCK=block, ROWS=rows,
         HAS_RESIDUAL=residual is not None, QUANT_GROUP=min(quant_group, block),
-        NUM_GROUPS=scales.shape[1] if scales is not None else 1,
+        NUM_GROUPS=scales.shape[1] if scales is not None else 1, PENDING_SUMS=pending_sums,
         num_warps=4 if block * rows <= 2048 else 8, **pdl_launch(x))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+def rms_norm(x: torch.Tensor | PendingSums, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """x: [tokens, N] or a per-head view [tokens, heads, N]; residual (if any) is updated in place."""
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(x, weight, eps, residual, out, None, 0)
+    """x: [tokens, N] or a per-head view [tokens, heads, N], or PendingSums [tokens, N] with a
+    residual; residual (if any) is updated in place."""
+    pending_sums = isinstance(x, PendingSums)
+    if pending_sums:
+        assert residual is not None and residual.dtype == x.dtype
+        x = x.sums
+    out = torch.empty(x.shape, dtype=residual.dtype if pending_sums else x.dtype, device=x.device)
+    _launch(x, weight, eps, residual, out, None, 0, pending_sums)
     return out if residual is None else (out, residual)
 
 

@@ -3,8 +3,12 @@ counts through which the programs of one split reduction meet, the last to arriv
 work and clearing what it used. No kernel around the reduction has to zero or cast anything.
 
 One buffer per (device, dtype), grown when too small. Calls on one stream share it: a kernel
-finishes (and clears) before the next one touches it.
+finishes (and clears) before the next one touches it. A reduction may also leave its sums there
+for the next kernel to finish and clear (PendingSums): then no program of the reduction waits for
+the others.
 """
+from typing import NamedTuple
+
 import torch
 
 _buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
@@ -22,3 +26,10 @@ def zeroed_workspace(device: torch.device, dtype: torch.dtype, numel: int) -> to
                              device=device)
         _buffers[(device, dtype)] = buffer
     return buffer
+
+
+class PendingSums(NamedTuple):
+    """A split reduction's float32 sums, left in the workspace: the kernel that reads them must clear
+    them (rms_norm with a residual does)."""
+    sums: torch.Tensor       # [M, N] float32, a view of the workspace
+    dtype: torch.dtype       # the finished output's dtype

@@ -139,6 +139,13 @@ class RowParallelLinear(LinearBase):
                  quant_config: QuantizationConfig | None = None, prefix: str = ""):
         rank, tp = tp_rank_and_size()
         super().__init__(input_size // tp, [output_size], bias, quant_config, prefix, input_start=rank * input_size // tp)
+        self.leaves_sums_to_norm = False
+
+    def feed_residual_norm(self) -> None:
+        """Called by a decoder layer whose residual RMSNorm takes this layer's whole output. With one
+        rank and no bias the output may then be unfinished split-K sums (PendingSums), which the
+        norm's kernel finishes: the 4-bit GEMV's programs need not wait for each other."""
+        self.leaves_sums_to_norm = self.tp_size == 1 and self.bias is None
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
         load_shard(param, loaded, inp=(self.input_start, self.input_size))

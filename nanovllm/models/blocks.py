@@ -84,8 +84,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = mlp
         fuse_input_quantization(self.input_layernorm, self.self_attn.qkv_proj)
+        # o_proj's output goes only into the residual add of post_attention_layernorm; down_proj's
+        # into the next layer's input_layernorm or the final norm
+        self.self_attn.o_proj.feed_residual_norm()
         if isinstance(mlp, GatedMLP):       # a mixture of experts takes its input 16-bit
             fuse_input_quantization(self.post_attention_layernorm, mlp.gate_up_proj)
+            mlp.down_proj.feed_residual_norm()
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
