@@ -354,17 +354,21 @@ def test_decode_attention_with_rotary_equals_rotary_then_attention(block_size, h
 
 @needs_triton
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")   # NaN-poisoned slots the kernel masks out
-def test_triton_backend_rotates_inside_decode_attention_for_small_16_bit_decodes_only(monkeypatch):
-    """A decode step of at most ROTARY_IN_DECODE_MAX_SEQS sequences over a 16-bit cache takes the
-    one-kernel path; the layer's output and cache are those of the rotary kernel then attention."""
+@pytest.mark.parametrize("cache", ["16-bit", "fp8"])
+def test_triton_backend_rotates_inside_decode_attention_for_small_decodes(monkeypatch, cache):
+    """A decode step of at most ROTARY_IN_DECODE_MAX_SEQS sequences takes the one-kernel path; the
+    layer's output and cache are those of the rotary kernel then attention."""
     from nanovllm.attention import triton as triton_backend, use_metadata
     from nanovllm.layers.attention import Attention
     context_lens, num_kv_heads, head_dim = [5, 40, 17], 2, 64
     k_cache, v_cache, block_tables, _ = make_paged_cache(context_lens, 16, num_kv_heads, head_dim, torch.float32)
     lens = torch.tensor(context_lens, device=DEVICE)
     slots = new_token_slots(block_tables, context_lens, 16)
+    k_scale, v_scale = scales([0.01, 0.02]), scales([0.03, 0.015])       # per KV head
+    if cache == "fp8":
+        k_cache, v_cache = quantize_fp8(k_cache, k_scale), quantize_fp8(v_cache, v_scale)
     _, q, k, v = packed_qkv(len(context_lens), 2 * num_kv_heads, num_kv_heads, head_dim, torch.float32)
-    backend = triton_backend.TritonAttention(NUM_SMS, num_kv_heads, torch.float32)
+    backend = triton_backend.TritonAttention(NUM_SMS, num_kv_heads, k_cache.dtype)
     rotary_emb = RotaryEmbedding(head_dim, 4096, 1e6).to(DEVICE)
     took_fused_path = []
     rotate_and_attend = backend.rotate_and_attend
@@ -379,18 +383,23 @@ def test_triton_backend_rotates_inside_decode_attention_for_small_16_bit_decodes
         monkeypatch.setattr(triton_backend, "ROTARY_IN_DECODE_MAX_SEQS", max_seqs)
         attn = Attention(2 * num_kv_heads, num_kv_heads, head_dim, head_dim ** -0.5)
         attn.k_cache, attn.v_cache, attn.backend = k_cache.clone(), v_cache.clone(), backend
+        if cache == "fp8":
+            attn.k_scale, attn.v_scale = k_scale, v_scale
         with use_metadata(backend.decode_metadata(slots, lens, block_tables)):
             out = attn(lens - 1, q.clone(), k.clone(), v, rotary_emb)
         return out, attn.k_cache, attn.v_cache
 
     fused, separate = step(16), step(2)
     assert took_fused_path == [True, False]    # 3 sequences: within 16, above 2
-    for a, b in zip(fused, separate):
-        assert_close(a.nan_to_num(7.0), b.nan_to_num(7.0), torch.float32)
-    scale = torch.tensor([0.01], device=DEVICE)
-    kv_store = KVStore(v, quantize_fp8(k_cache, scale), quantize_fp8(v_cache, scale), slots, scale, scale)
-    metadata = backend.decode_metadata(slots, lens, block_tables)
-    assert rotate_and_attend(q, k, rotary_emb.inputs(lens - 1), kv_store, metadata, 0.1) is None   # float8: not yet
+    out, *caches = fused
+    assert_close(out, separate[0], torch.float32)
+    for a, b, before in zip(caches, separate[1:], (k_cache, v_cache)):
+        a, b, before = (c.float().nan_to_num(7.0) for c in (a, b, before))
+        if cache == "fp8":    # the same math: at most one e4m3 step apart (fused multiply-adds)
+            torch.testing.assert_close(a, b, atol=2 ** -9, rtol=2 ** -3)
+        else:
+            assert_close(a, b, torch.float32)
+        assert not torch.equal(a, before)     # the new tokens were stored
 
 
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] != 9,

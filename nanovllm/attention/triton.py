@@ -17,8 +17,9 @@ except ImportError:   # torch < 2.10
 
 # Decode batches of at most this many sequences rotate inside the decode attention kernel (one
 # kernel a layer fewer; its programs each redo their heads' norm and rotation, which larger batches
-# pay for: measured slower from 64 sequences on 2026-11-23, docs/benchmarks.md). 16-bit caches
-# only: the float8 kernel runs under a register cap, and its rotating variant is not measured yet.
+# pay for: measured slower from 64 sequences on 2026-11-23, docs/benchmarks.md). A float8 cache
+# too: its rotating kernel keeps to the register cap without spilling and, on one H100, took
+# 6.0-27.6 us a layer against 8.7-27.9 for the rotary kernel then attention (batch 1-16).
 ROTARY_IN_DECODE_MAX_SEQS = 16
 
 
@@ -45,7 +46,7 @@ class TritonAttention(AttentionBackend):
         return decode_num_splits(num_seqs, self.num_kv_heads, self.num_sms, self.cache_dtype)
 
     def rotate_and_attend(self, q, k, rotary, kv_store, metadata, scale):
-        if metadata.is_prefill or q.shape[0] > ROTARY_IN_DECODE_MAX_SEQS or kv_store.k_cache.element_size() == 1:
+        if metadata.is_prefill or q.shape[0] > ROTARY_IN_DECODE_MAX_SEQS:
             return None
         return paged_decode_attention(q, kv_store.k_cache, kv_store.v_cache, metadata.context_lens,
                                       metadata.block_tables, scale, metadata.num_splits, k_scale=kv_store.k_scale,

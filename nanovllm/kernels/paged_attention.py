@@ -157,8 +157,32 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
         q_offs = seq * stride_q_seq + heads[:, None] * stride_q_head + half[None, :]
         q1 = tl.load(q_ptr + q_offs, mask=head_mask[:, None], other=0.0).to(tl.float32)
         q2 = tl.load(q_ptr + q_offs + HALF, mask=head_mask[:, None], other=0.0).to(tl.float32)
+        # the new token's key and value too, here rather than after the loop: their loads wait
+        # beside q's, and the last split stores them while the loop runs (it reads older slots only)
+        k1, k2 = _new_token_halves(k_new_ptr, stride_k_new, seq, kv_head, HEAD_DIM, HALF)
+        v1, v2 = _new_token_halves(v_new_ptr, stride_v_new, seq, kv_head, HEAD_DIM, HALF)
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
         q1, q2 = normed_rotated(q1, q2, q_norm_ptr, eps, cos, sin, q_ptr.dtype.element_ty, HALF, NORM)
         q = _joined_halves(q1, q2, BLOCK_G, BLOCK_D)
+        k1, k2 = normed_rotated(k1, k2, k_norm_ptr, eps, cos, sin, q_ptr.dtype.element_ty, HALF, NORM)
+        # the cache's values, attended to as the cache holds them (float8: quantised, the scales
+        # applied as for the others)
+        h = kv_head + tl.zeros([1], tl.int32)
+        cache_dtype = k_cache_ptr.dtype.element_ty
+        num_kv_heads: tl.constexpr = NUM_HEADS // GROUP
+        k1 = to_cache(k1, k_scale_ptr, h, cache_dtype, num_kv_heads, SCALE_STRIDE, KV_FP8)
+        k2 = to_cache(k2, k_scale_ptr, h, cache_dtype, num_kv_heads, SCALE_STRIDE, KV_FP8)
+        v1 = to_cache(v1, v_scale_ptr, h, cache_dtype, num_kv_heads, SCALE_STRIDE, KV_FP8)
+        v2 = to_cache(v2, v_scale_ptr, h, cache_dtype, num_kv_heads, SCALE_STRIDE, KV_FP8)
+        owns_new_token = (split == busy_splits - 1) & (context_len > 0)
+        if owns_new_token & (slot >= 0):
+            offs = ((slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_token
+                    + kv_head * HEAD_DIM + half[None, :])
+            tl.store(k_cache_ptr + offs, k1)
+            tl.store(k_cache_ptr + offs + HALF, k2)
+            v_cache_bytes = v_cache_ptr.to(tl.pointer_type(cache_dtype))   # float8 values come as words
+            tl.store(v_cache_bytes + offs, v1)
+            tl.store(v_cache_bytes + offs + HALF, v2)
     else:
         q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
                     mask=head_mask[:, None] & d_mask[None, :], other=0.0)
@@ -213,28 +237,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
     if KV_FP8:   # dimension 2i is acc_even[:, i], 2i + 1 is acc_odd[:, i]
         acc = tl.reshape(tl.join(acc_even, acc_odd), [BLOCK_G, BLOCK_D])
     if ROTARY:
-        if (split == busy_splits - 1) & (context_len > 0):
-            # the last split also owns the new token: it caches the key and value, then attends to
-            # them as the cache holds them (float8: quantised, the scales applied as for the others)
-            k1, k2 = _new_token_halves(k_new_ptr, stride_k_new, seq, kv_head, HEAD_DIM, HALF)
-            k1, k2 = normed_rotated(k1, k2, k_norm_ptr, eps, cos, sin, q_ptr.dtype.element_ty, HALF, NORM)
-            v1, v2 = _new_token_halves(v_new_ptr, stride_v_new, seq, kv_head, HEAD_DIM, HALF)
-            h = kv_head + tl.zeros([1], tl.int32)
-            cache_dtype = k_cache_ptr.dtype.element_ty
-            num_kv_heads: tl.constexpr = NUM_HEADS // GROUP
-            k1 = to_cache(k1, k_scale_ptr, h, cache_dtype, num_kv_heads, SCALE_STRIDE, KV_FP8)
-            k2 = to_cache(k2, k_scale_ptr, h, cache_dtype, num_kv_heads, SCALE_STRIDE, KV_FP8)
-            v1 = to_cache(v1, v_scale_ptr, h, cache_dtype, num_kv_heads, SCALE_STRIDE, KV_FP8)
-            v2 = to_cache(v2, v_scale_ptr, h, cache_dtype, num_kv_heads, SCALE_STRIDE, KV_FP8)
-            slot = tl.load(slot_ptr + seq).to(tl.int64)
-            if slot >= 0:
-                offs = ((slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_token
-                        + kv_head * HEAD_DIM + half[None, :])
-                tl.store(k_cache_ptr + offs, k1)
-                tl.store(k_cache_ptr + offs + HALF, k2)
-                v_cache_bytes = v_cache_ptr.to(tl.pointer_type(cache_dtype))   # float8 values come as words
-                tl.store(v_cache_bytes + offs, v1)
-                tl.store(v_cache_bytes + offs + HALF, v2)
+        if owns_new_token:   # attends to the new key and value from registers
             k_new = _joined_halves(k1.to(tl.float32), k2.to(tl.float32), 1, BLOCK_D)
             v_new = _joined_halves(v1.to(tl.float32), v2.to(tl.float32), 1, BLOCK_D)
             s_new = tl.sum(q.to(tl.float32) * k_new, 1) * qk_scale
