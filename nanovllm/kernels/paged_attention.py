@@ -191,6 +191,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
         if DOT_FP16:
             q = q.to(tl.float16)
         qk_scale = scale_log2e * tl.load(k_scale_ptr + kv_head * SCALE_STRIDE)
+        v_scale = tl.load(v_scale_ptr + kv_head * SCALE_STRIDE)   # now: after the loop it would wait there
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -249,7 +250,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
             m = m_new
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     if KV_FP8:   # values are stored divided by v_scale; every split's part is, so the combine stays linear
-        out = out * tl.load(v_scale_ptr + kv_head * SCALE_STRIDE)
+        out = out * v_scale
     out_mask = head_mask[:, None] & d_mask[None, :]
     out_offs = seq * stride_out_seq + heads[:, None] * stride_out_head + d[None, :]
     if NUM_SPLITS == 1:   # compiled without the combine below

@@ -49,16 +49,20 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, scale_ptr, eps, n
     mask = (rows < num_rows)[:, None] & (cols < N)[None, :]
     x_offs = ((rows // NUM_HEADS) * stride_x_row + (rows % NUM_HEADS) * stride_x_head)[:, None] + cols[None, :]
     own_offs = rows[:, None] * N + cols[None, :]
+    # every load first: one issued after the row's sum (which waits for every warp) or after a store
+    # (which may alias it) waits out its whole latency there
     x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
+    w = tl.load(weight_ptr + cols, mask=cols < N, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + own_offs, mask=mask, other=0.0)
     if PENDING_SUMS:    # float32 sums in the workspace: rounded as the reduction would, then cleared
         tl.store(x_ptr + x_offs, tl.zeros_like(x), mask=mask)
         x = x.to(residual_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
-        x = x + tl.load(residual_ptr + own_offs, mask=mask, other=0.0)
+        x = x + residual
         tl.store(residual_ptr + own_offs, x, mask=mask)
     h = x.to(tl.float32)
     h = h * tl.rsqrt(tl.sum(h * h, 1) / N + eps)[:, None]
-    w = tl.load(weight_ptr + cols, mask=cols < N, other=0.0)
     out = w.to(tl.float32)[None, :] * h.to(x.dtype).to(tl.float32)
     if QUANT_GROUP == 0:
         tl.store(out_ptr + own_offs, out.to(out_ptr.dtype.element_ty), mask=mask)

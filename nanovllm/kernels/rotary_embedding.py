@@ -74,9 +74,11 @@ def normed_rotated(x1, x2, weight_ptr, eps, cos, sin, dtype, HALF: tl.constexpr,
     dtype where the unfused rms_norm and rotary round: the fused pass equals norm-then-rotate."""
     if NORM:
         d = tl.arange(0, HALF)
-        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        # the weights are loaded before the sums: a load issued after a reduction across warps waits
+        # out its whole latency behind it
         w1 = tl.load(weight_ptr + d).to(tl.float32)[None, :]
         w2 = tl.load(weight_ptr + HALF + d).to(tl.float32)[None, :]
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
         x1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         x2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
