@@ -191,7 +191,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
         if DOT_FP16:
             q = q.to(tl.float16)
         qk_scale = scale_log2e * tl.load(k_scale_ptr + kv_head * SCALE_STRIDE)
-        v_scale = tl.load(v_scale_ptr + kv_head * SCALE_STRIDE)   # now: after the loop it would wait there
+        v_scale = tl.load(v_scale_ptr + kv_head * SCALE_STRIDE)   # here: behind the loop's reductions it waited
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
