@@ -43,10 +43,12 @@ class WeightOnlyIntMethod(LinearMethod):
         # the twin on the CPU and for float32
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         if self.takes_gemv(layer, x2):
-            if getattr(layer, "leaves_sums_to_norm", False) and bias is None and x.dim() == 2:
-                return int4_gemv(x2, layer.qweight, layer.scales, layer.scaled_zeros, layer.group_size,
-                                 leave_sums=True)
-            y = int4_gemv(x2, layer.qweight, layer.scales, layer.scaled_zeros, layer.group_size)
+            # a layer feeding a residual norm (RowParallelLinear.feed_residual_norm) may hand it
+            # unfinished split-K sums as they are; a 2-D output needs no reshape
+            leave_sums = getattr(layer, "leaves_sums_to_norm", False) and bias is None and x.dim() == 2
+            y = int4_gemv(x2, layer.qweight, layer.scales, layer.scaled_zeros, layer.group_size, leave_sums=leave_sums)
+            if leave_sums:
+                return y
         else:
             gemm = int_gemm if x.is_cuda and x.dtype != torch.float32 else int_gemm_ref
             y = gemm(x2, layer.qweight, layer.scales, layer.scaled_zeros, self.bits, layer.group_size, layer.g_idx)
