@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from nanovllm.engine.chat_template import apply_chat_template
-from nanovllm.engine_loop import (ABORTED, ACCEPTED, CLOSED, FAILED, OUTPUT, READY, REFUSED, AbortAll, AbortRequest,
+from nanovllm.engine_loop import (ABORTED, ACCEPTED, CLOSED, FAILED, OUTPUT, REFUSED, AbortAll, AbortRequest,
                                   AddRequest, Command, EngineLoop, Message, Stop, queue_receiver, run_engine_process)
 from nanovllm.sampling_params import SamplingParams
 
