@@ -19,8 +19,8 @@ import json
 import time
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
-from nanovllm.utils.bench_workload import add_model_arguments, bench_requests, model_engine_args
-from nanovllm.utils.random_checkpoint import cached_shape
+from nanovllm.checkpoints.bench_workload import add_model_arguments, bench_requests, model_engine_args
+from nanovllm.checkpoints.random_checkpoint import cached_shape
 
 # an array of small typed records, at least 400 of them: longer than any output here
 BENCH_SCHEMA = {

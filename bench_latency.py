@@ -29,7 +29,7 @@ from torch import nn
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.moe import SparseMoeBlock
 from nanovllm.layers.rotary import RotaryEmbedding
-from nanovllm.utils.bench_workload import add_model_arguments, model_engine_args
+from nanovllm.checkpoints.bench_workload import add_model_arguments, model_engine_args
 
 
 def batch_sizes(text: str) -> list[int]:
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     llm = LLM(**engine_args(args))
     try:
-        runner = llm.model_runner
+        runner = llm.engine.core.executor.driver     # rank 0's worker: its model and KV cache
         weight_bytes = decode_weight_bytes(runner.model)
         kv_bytes_per_token = runner.kv_cache.block_bytes // runner.kv_cache.block_size
         results = measure(llm, args, runner.model, kv_bytes_per_token)

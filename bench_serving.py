@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import aiohttp
 
-from nanovllm.utils.bench_workload import bench_requests
+from nanovllm.checkpoints.bench_workload import bench_requests
 
 
 @dataclass

@@ -21,7 +21,7 @@ import numpy as np
 import ray
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import write_tiny_model
+from nanovllm.checkpoints.random_checkpoint import write_tiny_model
 
 
 class Generator:

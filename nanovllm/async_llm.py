@@ -132,7 +132,7 @@ class AsyncLLM:
         ready; bad engine arguments raise here (TypeError, or ValueError naming the argument)."""
         if not isinstance(engine_process, bool):
             raise TypeError(f"engine_process must be a bool, got {engine_process!r}")
-        self.engine = None                      # the LLM, only with engine_process=False
+        self.engine = None                      # the LLMEngine, only with engine_process=False
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()   # put() is safe from finalizers
         self._lock = threading.Lock()           # guards the two dicts below, _error and _closed
         self._deliveries: dict[Hashable, _Delivery] = {}
@@ -154,9 +154,9 @@ class AsyncLLM:
         started: queue.SimpleQueue = queue.SimpleQueue()
 
         def serve() -> None:
-            from nanovllm.llm import LLM
+            from nanovllm.engine.llm_engine import LLMEngine
             try:
-                engine = LLM(model, **engine_args)
+                engine = LLMEngine(model, **engine_args)
             except BaseException as e:
                 started.put(e)
                 return

@@ -8,7 +8,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.models.model_config import ModelConfig
 from nanovllm.models.registry import read_model_config
-from nanovllm.spec_decode.speculative_config import SpeculativeConfig
+from nanovllm.speculative_config import SpeculativeConfig
 from nanovllm.utils.validation import check_int, check_number
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -145,6 +145,16 @@ class Config:
     @property
     def min_kvcache_blocks(self) -> int:
         return -(-self.max_model_len // self.kvcache_block_size)
+
+    def draft_config(self, max_num_seqs: int) -> "Config":
+        """The draft model's engine config (speculative_config["model"]): the target's device, dtype
+        and lengths, a fixed pool for max_num_seqs sequences of max_model_len, no prefix caching."""
+        return Config(self.speculative_config.model, device=self.device,
+                      dtype=str(self.torch_dtype).removeprefix("torch."), max_model_len=self.max_model_len,
+                      max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                      kvcache_block_size=self.kvcache_block_size,
+                      num_kvcache_blocks=max_num_seqs * self.min_kvcache_blocks, enable_prefix_caching=False,
+                      enforce_eager=self.enforce_eager, load_format=self.load_format)
 
     def _resolve_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

@@ -1,4 +1,4 @@
-"""EngineLoop: the engine side of AsyncLLM. It owns one LLM, applies the commands it receives
+"""EngineLoop: the engine side of AsyncLLM. It owns one LLMEngine, applies the commands it receives
 (add, abort, abort all, stop) and steps the engine while there is work; with none, it blocks on its
 inbox. It knows requests only by id: every loop iteration that produced anything sends one message,
 `(items, stats)`, with every item of that iteration and the engine's latest stats. The same loop
@@ -30,6 +30,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from nanovllm.engine.output_processor import aborted_stream_dict
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -138,9 +139,8 @@ class EngineLoop:
         was_live = self.engine.abort(command.request_id)
         state = self._live.pop(command.request_id, None)
         if state is not None:
-            self._items.append((OUTPUT, command.request_id, {
-                "request_id": command.request_id, "index": state.last_index or 0, "delta_text": "",
-                "delta_token_ids": [], "delta_logprobs": None, "finished": True, "finish_reason": "abort"}))
+            self._items.append((OUTPUT, command.request_id, aborted_stream_dict(command.request_id,
+                                                                                state.last_index or 0)))
         if command.reply_token is not None:
             self._items.append((ABORTED, command.reply_token, was_live))
 
@@ -155,16 +155,10 @@ class EngineLoop:
             state = self._live.get(update.request_id)
             if state is None:
                 continue
-            finished = update.output is not None         # the engine's output ends the request
-            out = dict(update.output) if finished else {}
-            out.update(request_id=update.request_id, index=update.index, delta_text=update.delta_text,
-                       delta_token_ids=update.new_token_ids, delta_logprobs=update.new_logprobs,
-                       finished=finished, finish_reason=update.finish_reason)
-            if finished:          # the top-level fields are those of this output's completion
-                out["logprobs"] = update.output["outputs"][update.index]["logprobs"]
+            if update.output is not None:         # the engine's output ends the request
                 del self._live[update.request_id]
             state.last_index, state.sent_at_step = update.index, self._num_steps
-            self._items.append((OUTPUT, update.request_id, out))
+            self._items.append((OUTPUT, update.request_id, update.stream_dict()))
 
     def _end_all(self) -> None:
         for request_id in self._live:
@@ -226,12 +220,12 @@ def pipe_receiver(conn: Connection) -> Callable[[bool], list[Command]]:
 
 
 def run_engine_process(model: str, engine_args: dict, commands: Connection, messages: Connection) -> None:
-    """The engine process: build the LLM, answer (READY, config, stats) or (FAILED, error), then
+    """The engine process: build the LLMEngine, answer (READY, config, stats) or (FAILED, error), then
     serve until Stop or until the frontend's process goes away, and shut the engine down."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group; the frontend stops us
-    from nanovllm.llm import LLM
+    from nanovllm.engine.llm_engine import LLMEngine
     try:
-        engine = LLM(model, **engine_args)
+        engine = LLMEngine(model, **engine_args)
     except BaseException as e:
         if not isinstance(e, (ValueError, TypeError)):      # bad arguments explain themselves
             e.add_note("in the engine process:\n" + traceback.format_exc())

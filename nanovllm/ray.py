@@ -1,6 +1,6 @@
 """Data-parallel engine replicas on a Ray cluster: `RayLLM(model, num_replicas, **engine_args)`.
 
-Each replica is a Ray actor holding one `LLM`, placed by its own placement group on one node with
+Each replica is a Ray actor holding one `LLMEngine`, placed by its own placement group on one node with
 `tensor_parallel_size` GPUs (or CPUs on a cluster without GPUs). The driver tokenizes the prompts,
 routes prompts that share their first block to the same replica (so its prefix cache is hit),
 balances the rest by tokens, and streams outputs back in prompt order under one progress bar.
@@ -21,8 +21,8 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanovllm.config import Config
-from nanovllm.engine.llm_engine import LLMEngine, Prompt, pair_prompts_with_params
-from nanovllm.llm import LLM
+from nanovllm.engine.input_processor import Prompt, encode_prompt, pair_prompts_with_params
+from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.validation import check_int, check_number
 
@@ -38,15 +38,15 @@ GRACEFUL_STOP_S = 30.0
 
 
 class EngineReplica:
-    """One replica: an `LLM` inside a Ray actor. Built empty so that a bad engine argument comes
+    """One replica: an `LLMEngine` inside a Ray actor. Built empty so that a bad engine argument comes
     back from `load` as the engine's own ValueError or TypeError."""
 
     def __init__(self):
-        self.llm: LLM | None = None
+        self.engine: LLMEngine | None = None
 
     def load(self, model: str, engine_args: dict) -> Config:
-        self.llm = LLM(model, **engine_args)
-        return self.llm.config
+        self.engine = LLMEngine(model, **engine_args)
+        return self.engine.config
 
     def pid(self) -> int:
         return os.getpid()
@@ -54,12 +54,12 @@ class EngineReplica:
     def generate(self, requests: list[tuple[int, list[int], SamplingParams]]):
         """Run (prompt index, token ids, params) requests; yields lists of (prompt index, output)
         as they finish. A cancelled call aborts the requests it leaves behind."""
-        index_of = {self.llm.add_request(token_ids, params): index for index, token_ids, params in requests}
+        index_of = {self.engine.add_request(token_ids, params): index for index, token_ids, params in requests}
         finished: list[tuple[int, dict]] = []
         remaining, last_report = len(index_of), float("-inf")     # the first finished go at once
         try:
             while remaining:
-                for output in self.llm.step():
+                for output in self.engine.step():
                     index = index_of.pop(output["request_id"], None)
                     if index is not None:
                         finished.append((index, output))
@@ -69,12 +69,12 @@ class EngineReplica:
                     finished, last_report = [], time.monotonic()
         finally:
             for request_id in index_of:
-                self.llm.abort(request_id)
+                self.engine.abort(request_id)
 
     def shutdown(self) -> None:
-        if self.llm is not None:
-            self.llm.shutdown()
-            self.llm = None
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
 
 
 def route_prompts(prompts: list[list[int]], max_tokens: list[int], replicas: list[int],
@@ -111,15 +111,6 @@ def route_prompts(prompts: list[list[int]], max_tokens: list[int], replicas: lis
             route[i] = replica
         heapq.heappush(loads, (load + sum(costs[i] for i in piece), replica))
     return route
-
-
-class _PromptEncoder:
-    """The engine's own prompt checks, run on the driver against a replica's config, so that a bad
-    prompt is refused before any replica starts work."""
-    encode_prompt = LLMEngine.encode_prompt
-
-    def __init__(self, tokenizer, config: Config):
-        self.tokenizer, self.config = tokenizer, config
 
 
 class RayLLM:
@@ -164,7 +155,6 @@ class RayLLM:
         except BaseException:
             self.shutdown()
             raise
-        self.encoder = _PromptEncoder(self.tokenizer, self.config)
 
     def _place_replicas(self, num_replicas: int, engine_args: dict, timeout_s: float) -> dict:
         """Reserve one bundle per replica and start the actors; returns the engine args with the
@@ -202,7 +192,7 @@ class RayLLM:
         for _, sp in pairs:
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
-        return [(self.encoder.encode_prompt(p), sp) for p, sp in pairs]
+        return [(encode_prompt(self.tokenizer, self.config, p), sp) for p, sp in pairs]
 
     def route(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None
               ) -> list[int]:

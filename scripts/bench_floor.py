@@ -18,7 +18,7 @@ import json
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from nanovllm.utils.bench_workload import bench_requests
+from nanovllm.checkpoints.bench_workload import bench_requests
 
 
 def main():

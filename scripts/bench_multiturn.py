@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.bench_workload import add_model_arguments, model_engine_args
+from nanovllm.checkpoints.bench_workload import add_model_arguments, model_engine_args
 
 
 def conversation_turns(args, vocab_size: int) -> tuple[list[list[int]], list[list[list[int]]]]:
@@ -56,8 +56,8 @@ def run_workload(llm: LLM, args) -> dict:
             request_id = f"{conv}-{turn}"
             in_flight[request_id] = (turn, conv)
             num_prompt_tokens += len(histories[conv])
-            llm.add_request(list(histories[conv]), params, request_id=request_id)
-        for output in llm.step():
+            llm.engine.add_request(list(histories[conv]), params, request_id=request_id)
+        for output in llm.engine.step():
             turn, conv = in_flight.pop(output["request_id"])
             ttft[min(turn, 1)].append(output["metrics"]["time_to_first_token"])
             num_output_tokens += len(output["token_ids"])
@@ -114,10 +114,10 @@ def plain_copy_bandwidth(num_bytes: int = 1 << 30) -> None:
 def host_tier_bandwidth(llm: LLM, max_blocks: int = 256) -> None:
     """The host tier's own paths (gather + device->host, host->device + scatter) on pool blocks.
     Run after the workload: it overwrites blocks of both tiers."""
-    host = llm.model_runner.host_kv_cache
-    n = min(max_blocks, host.num_blocks, llm.model_runner.num_kvcache_blocks)
+    host = llm.engine.core.executor.driver.host_kv_cache
+    n = min(max_blocks, host.num_blocks, llm.engine.core.executor.driver.num_kvcache_blocks)
     rng = np.random.default_rng(0)
-    gpu_ids = rng.permutation(llm.model_runner.num_kvcache_blocks)[:n]
+    gpu_ids = rng.permutation(llm.engine.core.executor.driver.num_kvcache_blocks)[:n]
     pairs = np.stack([gpu_ids, np.arange(n)], axis=1)
     none = np.zeros((0, 2), np.int64)
     num_bytes = n * host.kv_cache.block_bytes

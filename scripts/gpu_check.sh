@@ -65,7 +65,7 @@ if [ "$stage" = latency ]; then
 fi
 if [ "$stage" = serving ]; then
   python bench.py --config configs/qwen3-0.6b.json "$@" 2>&1 | grep Throughput | sed "s|^|offline: |"
-  model=$(python -c "from nanovllm.utils.random_checkpoint import cached_shape; print(cached_shape('configs/qwen3-0.6b.json'))")
+  model=$(python -c "from nanovllm.checkpoints.random_checkpoint import cached_shape; print(cached_shape('configs/qwen3-0.6b.json'))")
   serve_bench() {   # TREE LABEL RATE...: the same requests through the HTTP server, streamed
     local tree=$1 label=$2; shift 2
     (cd "$tree" && exec python -m nanovllm.serve "$model" --load-format dummy --port 8123 --max-model-len 4096 \

@@ -13,8 +13,8 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from nanovllm.utils.bench_workload import bench_requests
-from nanovllm.utils.random_checkpoint import cached_random_checkpoint
+from nanovllm.checkpoints.bench_workload import bench_requests
+from nanovllm.checkpoints.random_checkpoint import cached_random_checkpoint
 
 
 def main():

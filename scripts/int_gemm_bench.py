@@ -36,14 +36,14 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels import fp8_gemv as fp8_gemv_module
-from nanovllm.kernels.fp8 import FP8_DTYPE
+from nanovllm.kernels.fp8_primitives import FP8_DTYPE
 from nanovllm.kernels.fp8_gemv import GemvConfig, fp8_gemv, fp8_gemv_ref
 from nanovllm.kernels.fp8_linear import fp8_gemm, fp8_matmul, quantize_activation, scaled_mm_per_channel
 from nanovllm.kernels import int4_gemv as int4_gemv_module
 from nanovllm.kernels.int4_gemv import Int4GemvConfig, int4_gemv
 from nanovllm.kernels.int_gemm import DECODE_CONFIG, PREFILL_CONFIG, LaunchConfig, int_gemm, int_gemm_ref
 from nanovllm.quantization.int_packing import awq_for_gemm, dequantize_awq
-from nanovllm.utils.quantized_checkpoint import quantize_awq
+from nanovllm.checkpoints.quantized_checkpoint import quantize_awq
 
 L2_BYTES = 50 << 20
 CANDIDATES = [LaunchConfig(*shape) for shape in [

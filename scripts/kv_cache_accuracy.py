@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import cached_random_checkpoint
+from nanovllm.checkpoints.random_checkpoint import cached_random_checkpoint
 
 ENGINES = {   # name: (model dtype, kv_cache_dtype); the first is the reference
     "float32": ("float32", "auto"),
@@ -62,8 +62,8 @@ class StepLogitsRecorder:
         self.decode: dict[Hashable, torch.Tensor] = {}
         self.forced = forced_first_tokens
         self.step: tuple[bool, list[Hashable]] | None = None    # (is_prefill, request id of each row)
-        runner = llm.model_runner
-        launch, sampler = runner.launch, runner.sampler
+        runner = llm.engine.core.executor
+        launch, sampler = runner.launch, runner.driver.sampler
 
         def recording_launch(batch, **kwargs):
             # ask before launch: the scheduler records the step after it
@@ -84,7 +84,7 @@ class StepLogitsRecorder:
                                              device=out.token_ids.device)
             return out
 
-        runner.launch, runner.sampler = recording_launch, recording_sampler
+        runner.launch, runner.driver.sampler = recording_launch, recording_sampler
 
 
 def bench_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -105,10 +105,10 @@ def capture_step_logits(path: str, prompts: list[list[int]], dtype: str, kv_cach
         recorder = StepLogitsRecorder(llm, forced)
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
         for i, prompt in enumerate(prompts):
-            llm.add_request(prompt, params, request_id=i)
+            llm.engine.add_request(prompt, params, request_id=i)
         outputs = {}
-        while not llm.is_finished():
-            outputs.update((o["request_id"], o) for o in llm.step())
+        while not llm.engine.is_finished():
+            outputs.update((o["request_id"], o) for o in llm.engine.step())
     finally:
         llm.shutdown()
         del llm

@@ -10,8 +10,8 @@ from collections import defaultdict
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.bench_workload import bench_requests
-from nanovllm.utils.random_checkpoint import cached_shape
+from nanovllm.checkpoints.bench_workload import bench_requests
+from nanovllm.checkpoints.random_checkpoint import cached_shape
 
 KERNEL_GROUPS = [("attention", ("_decode_kernel", "_prefill_kernel", "flash", "attention",
                                  "fmha", "cutlass::fmha")),
@@ -48,8 +48,8 @@ def main():
     # Events around every launched step, on one clock: a step's GPU time runs from when the device
     # reaches it (its start, or the previous step's end if later) to its end; a start after the
     # previous end is time the device sat idle waiting for the host.
-    runner = llm.model_runner
-    original_launch, original_execute = runner.launch, runner.execute
+    runner = llm.engine.core.executor
+    original_launch, original_execute = runner.launch, runner.driver.execute
     marks, started = [], {}
 
     def timed_execute(inputs):              # the step's inputs are built on the host before this
@@ -65,21 +65,21 @@ def main():
         marks.append(("prefill" if batch.is_prefill else "decode", len(batch.seqs), context, started["event"], end))
         return step
 
-    runner.launch, runner.execute = timed_launch, timed_execute
+    runner.launch, runner.driver.execute = timed_launch, timed_execute
     origin = torch.cuda.Event(enable_timing=True)
     origin.record()
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     torch.cuda.synchronize()
-    runner.launch, runner.execute = original_launch, original_execute
+    runner.launch, runner.driver.execute = original_launch, original_execute
     tokens = sum(len(o["token_ids"]) for o in outputs)
     print(f"workload: {tokens} output tokens in {wall:.2f} s = {tokens / wall:,.0f} tok/s")
     totals, counts, previous_end = defaultdict(float), defaultdict(int), 0.0
     hf = llm.config.hf_config
     kv_itemsize = 1 if args.kv_cache_dtype == "fp8" else 2
     kv_bytes_per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim * kv_itemsize
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.driver.model.parameters())
     buckets = [(128, 256), (64, 127), (16, 63), (1, 15)]
     idles = []                              # (ms, step index, kind, batch)
     for index, (kind, num_seqs, context, start, end) in enumerate(marks):
@@ -112,20 +112,20 @@ def main():
 
     # kernel breakdowns from a fresh run: its first prefill steps, then decode steps in the middle
     for prompt, p in zip(prompts, params):
-        llm.add_request(prompt, p)
+        llm.engine.add_request(prompt, p)
     kernel_breakdown(llm, "prefill", 3)
     for _ in range(300):
-        llm.step()
+        llm.engine.step()
     kernel_breakdown(llm, "decode", args.profile_steps, table=True)
-    while not llm.is_finished():
-        llm.step()
+    while not llm.engine.is_finished():
+        llm.engine.step()
 
 
 def kernel_breakdown(llm, label: str, steps: int, table: bool = False) -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            llm.step()
+            llm.engine.step()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in events)

@@ -1,5 +1,5 @@
 """The bundled demo model's accuracy in 16 bits and written as 4-bit AWQ and GPTQ checkpoints by
-round-to-nearest (nanovllm/utils/quantized_checkpoint.py), through the engine: exact greedy
+round-to-nearest (nanovllm/checkpoints/quantized_checkpoint.py), through the engine: exact greedy
 answers to held-out additions (`What is A + B?`, pairs the model never trained on, drawn as
 tests/test_demo.py draws them) and to the capital questions of every country in every phrasing
 (docs/demo_model.md says how the model was trained and measured).
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.demo import capitals, model_path
-from nanovllm.utils.quantized_checkpoint import write_awq_checkpoint, write_gptq_checkpoint
+from nanovllm.checkpoints.quantized_checkpoint import write_awq_checkpoint, write_gptq_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,14 +62,14 @@ def capital_prompts(tokenizer) -> list[list[int]]:
 
 def first_step_logits(path: str, prompts: list[list[int]], device: str, **engine_args):
     """The engine's logits for each prompt's next token, in float32 (one prefill step)."""
-    from nanovllm.engine.sequence import Sequence
+    from nanovllm.core.sequence import Sequence
     with LLM(path, device=device, kvcache_block_size=16, num_kvcache_blocks=512, **engine_args) as llm:
         for prompt in prompts:
-            llm.scheduler.add(Sequence(prompt, SamplingParams(temperature=0)))
-        batch = llm.scheduler.schedule()
+            llm.engine.core.scheduler.add(Sequence(prompt, SamplingParams(temperature=0)))
+        batch = llm.engine.core.scheduler.schedule()
         assert batch.is_prefill and len(batch.seqs) == len(prompts), "the prompts must fit one step"
-        runner = llm.model_runner
-        logits = runner.execute(runner.prepare_step(batch)).float().cpu()
+        runner = llm.engine.core.executor
+        logits = runner.driver.execute(runner.prepare_step(batch)).float().cpu()
     return logits
 
 

@@ -59,10 +59,10 @@ def step_ms(llm, batch: int, context: int, query_len: int) -> float:
     import numpy as np
     import torch
 
-    from nanovllm.layers.sampler import SamplingTensors
-    from nanovllm.spec_decode.rejection_sampler import VerifyTensors, rejection_sample
-    from nanovllm.worker.step_inputs import StepInputs
-    runner, vocab = llm.model_runner, llm.config.model_config.vocab_size
+    from nanovllm.sample.sampler import SamplingTensors
+    from nanovllm.sample.rejection_sampler import VerifyTensors, rejection_sample
+    from nanovllm.executor.step_inputs import StepInputs
+    runner, vocab = llm.engine.core.executor, llm.config.model_config.vocab_size
     block_size = llm.config.kvcache_block_size
     blocks = -(-context // block_size)
     tables = np.arange(batch * blocks).reshape(batch, blocks)
@@ -75,27 +75,27 @@ def step_ms(llm, batch: int, context: int, query_len: int) -> float:
                         np.full(batch, context), cu, tables, np.arange(rows) if query_len > 1 else cu[1:] - 1)
     sampling = SamplingTensors(torch.full((rows,), 0.6, device="cuda"), torch.randint(0, 2**62, (rows,), device="cuda"))
     if query_len == 1:
-        return median_ms(lambda: runner.sampler(runner.execute(inputs), sampling))
+        return median_ms(lambda: runner.driver.sampler(runner.driver.execute(inputs), sampling))
     drafts = torch.randint(0, vocab, (batch, query_len), device="cuda")
     drafts[:, -1] = -1
     verify = VerifyTensors(drafts.flatten(), torch.arange(batch, device="cuda").repeat_interleave(query_len),
                            torch.arange(query_len, device="cuda").repeat(batch), batch)
-    return median_ms(lambda: rejection_sample(runner.execute(inputs), sampling, verify))
+    return median_ms(lambda: rejection_sample(runner.driver.execute(inputs), sampling, verify))
 
 
 def verify_graphs(llm, query_len: int, max_num_seqs: int):
     """CUDA graphs of steps of query_len tokens a sequence for llm's runner (as speculation captures
     for k + 1 = query_len), at every batch size up to max_num_seqs."""
     from nanovllm.worker.cuda_graph import StepGraphs
-    config, runner = llm.config, llm.model_runner
-    return StepGraphs(runner.model, runner.backend, max_num_seqs, config.min_kvcache_blocks,
-                      config.model_config.hidden_size, config.torch_dtype, runner.device, query_len=query_len,
-                      pool=runner.graphs[0].pool)
+    config, runner = llm.config, llm.engine.core.executor
+    return StepGraphs(runner.driver.model, runner.driver.backend, max_num_seqs, config.min_kvcache_blocks,
+                      config.model_config.hidden_size, config.torch_dtype, runner.driver.device, query_len=query_len,
+                      pool=runner.driver.graphs[0].pool)
 
 
 def load(path_or_config: str, **engine_args):
     from nanovllm import LLM
-    from nanovllm.utils.random_checkpoint import cached_shape
+    from nanovllm.checkpoints.random_checkpoint import cached_shape
     if path_or_config.endswith(".json"):
         return LLM(cached_shape(path_or_config), load_format="dummy", **engine_args)
     return LLM(path_or_config, **engine_args)
@@ -113,18 +113,18 @@ def main():
     batches = [int(b) for b in args.batches.split(",")]
     max_len = args.context + args.output_len + 64
     target = load(args.config, max_model_len=max_len, max_num_seqs=max(batches))
-    target.model_runner.kv_cache.tensor.normal_()      # never time on zeros
+    target.engine.core.executor.driver.kv_cache.tensor.normal_()      # never time on zeros
     print(f"target {args.config}: step ms at {args.context}-token contexts (verify / decode in brackets)")
     print("batch | decode | " + " | ".join(f"verify {n}" for n in range(2, 7)) + " | verify 5 eager")
-    runner = target.model_runner
-    decode_graphs = runner.graphs[0]
+    runner = target.engine.core.executor
+    decode_graphs = runner.driver.graphs[0]
     decode_ms = {batch: step_ms(target, batch, args.context, 1) for batch in batches}
     verify_ms = {}
     for query_len in range(2, 7):
-        runner.graphs = [decode_graphs, verify_graphs(target, query_len, max(batches))]
+        runner.driver.graphs = [decode_graphs, verify_graphs(target, query_len, max(batches))]
         for batch in batches:
             verify_ms[batch, query_len] = step_ms(target, batch, args.context, query_len)
-    runner.graphs = [decode_graphs]
+    runner.driver.graphs = [decode_graphs]
     for batch in batches:
         cells = [f"{verify_ms[batch, n]:7.3f} ({verify_ms[batch, n] / decode_ms[batch]:.2f}x)" for n in range(2, 7)]
         eager = step_ms(target, batch, args.context, 5)
@@ -133,7 +133,7 @@ def main():
     release(target)
 
     draft = load(args.draft_config, max_model_len=max_len, max_num_seqs=max(batches))
-    draft.model_runner.kv_cache.tensor.normal_()
+    draft.engine.core.executor.driver.kv_cache.tensor.normal_()
     draft_ms = {batch: step_ms(draft, batch, args.context, 1) for batch in batches}
     release(draft)
     print(f"\ndraft {args.draft_config}: ms per proposal (one decode step) " +
@@ -150,15 +150,15 @@ def main():
             cells.append(f"a={a}: ngram {ngram:.2f} draft {drafted:.2f}")
         print(f"batch {batch:3d} ({decode_ms[batch]:.2f}): " + " | ".join(cells))
 
-    from nanovllm.utils.random_checkpoint import cached_shape
+    from nanovllm.checkpoints.random_checkpoint import cached_shape
     k = args.num_speculative_tokens
     draft_model = args.draft_model or cached_shape(args.draft_config)
     print(f"\nend to end, batch 1, {args.output_len} tokens, greedy:")
     llm = load(args.model or args.config, max_model_len=max_len, max_num_seqs=8,
                speculative_config={"method": "ngram", "num_speculative_tokens": k})
-    proposer = llm.scheduler.proposer
+    proposer = llm.engine.core.proposer
     for name, use in (("plain", None), (f"ngram k={k}", proposer)):
-        llm.scheduler.proposer = use
+        llm.engine.core.proposer = use
         time_per_token(llm, name, args)
     release(llm)
     if args.model and not args.draft_model:

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     # Triton kernels run in its interpreter on the CPU; the flag is read when kernels are defined
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from nanovllm.utils.random_checkpoint import write_tiny_model
+from nanovllm.checkpoints.random_checkpoint import write_tiny_model
 
 # Two shapes: grouped-query attention with tied embeddings (sharded, old-style config.json), and
 # multi-head attention with untied embeddings and a head_dim that differs from hidden/heads.

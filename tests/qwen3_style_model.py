@@ -5,7 +5,7 @@ text), and the chat template has Qwen3's structure: tools listed in the system p
 think block closed in the prompt when `enable_thinking` is false."""
 import torch
 
-from nanovllm.utils.random_checkpoint import tiny_config, write_demo_tokenizer, write_random_checkpoint
+from nanovllm.checkpoints.random_checkpoint import tiny_config, write_demo_tokenizer, write_random_checkpoint
 
 AGENT_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 

@@ -367,7 +367,7 @@ def test_shutdown_ends_waiting_callers_and_the_engine(path, engine_process):
         assert not [pid for pid in child_pids(os.getpid()) - (children - {llm._process.pid}) if alive(pid)]
         assert not alive(llm._process.pid)
     else:
-        assert llm.engine.model_runner is None          # the engine itself was shut down
+        assert llm.engine.core is None          # the engine itself was shut down
     assert not llm.is_alive
     llm.shutdown()                                      # idempotent
 

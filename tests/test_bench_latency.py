@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 import bench_latency
 from nanovllm.demo import model_path
 from nanovllm.models.registry import build_model, read_model_config
-from nanovllm.utils.random_checkpoint import tiny_config
+from nanovllm.checkpoints.random_checkpoint import tiny_config
 
 INPUT_LEN, OUTPUT_LEN = 8, 3
 

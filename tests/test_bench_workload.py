@@ -2,7 +2,7 @@
 were measured on."""
 import random
 
-from nanovllm.utils.bench_workload import bench_requests
+from nanovllm.checkpoints.bench_workload import bench_requests
 
 
 def test_bench_requests_are_those_of_nano_vllm_benchmark():

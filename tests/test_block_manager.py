@@ -4,9 +4,9 @@ import struct
 
 import xxhash
 
-from nanovllm.engine import block_manager as block_manager_module
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core import block_manager as block_manager_module
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
 BS = 4  # tokens per block in these tests

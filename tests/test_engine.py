@@ -23,7 +23,7 @@ def assert_matches_transformers(llm, outputs, prompts, hf_greedy, num_tokens=16)
 def test_cpu_path_defaults_to_float32(model_path):
     llm = LLM(model_path, device="cpu")
     assert llm.config.device == "cpu" and str(llm.config.torch_dtype) == "torch.float32"
-    assert llm.model_runner.kv_cache.dtype == llm.config.torch_dtype
+    assert llm.engine.core.executor.driver.kv_cache.dtype == llm.config.torch_dtype
 
 
 def test_mixed_batch_matches_transformers(model_path, hf_greedy):
@@ -33,7 +33,7 @@ def test_mixed_batch_matches_transformers(model_path, hf_greedy):
     assert [len(o["token_ids"]) for o in outputs] == [16] * len(prompts)
     assert all(o["finish_reason"] == "length" for o in outputs)
     assert_matches_transformers(llm, outputs, prompts, hf_greedy)
-    assert llm.block_manager.num_used_blocks == 0
+    assert llm.engine.core.scheduler.block_manager.num_used_blocks == 0
 
 
 def test_prefix_cache_hits_keep_tokens(model_path, hf_greedy):
@@ -60,14 +60,14 @@ def test_prefix_cache_off_reports_no_hits(model_paths):
 def test_chunked_prefill_keeps_tokens(model_path, hf_greedy):
     llm = LLM(model_path, kvcache_block_size=16, max_num_batched_tokens=24, max_num_seqs=4)
     steps = []
-    schedule = llm.scheduler.schedule
+    schedule = llm.engine.core.scheduler.schedule
 
     def recording_schedule():
         batch = schedule()
         steps.append((batch.is_prefill, list(zip([s.seq_id for s in batch.seqs], batch.num_new_tokens))))
         return batch
 
-    llm.scheduler.schedule = recording_schedule
+    llm.engine.core.scheduler.schedule = recording_schedule
     prompts = mixed_prompts(vocab_size(llm), lengths=(100, 3, 60, 25, 1, 40))
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_matches_transformers(llm, outputs, prompts, hf_greedy)
@@ -83,9 +83,9 @@ def test_preemption_keeps_tokens(model_path, hf_greedy):
     prompts = mixed_prompts(vocab_size(llm), lengths=(30, 45, 20, 38, 50, 9), seed=3)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     assert_matches_transformers(llm, outputs, prompts, hf_greedy, num_tokens=24)
-    assert llm.block_manager.num_used_blocks == 0
+    assert llm.engine.core.scheduler.block_manager.num_used_blocks == 0
 
 
 def test_outputs_in_prompt_order_with_metrics(model_paths):
@@ -105,10 +105,10 @@ def test_outputs_in_prompt_order_with_metrics(model_paths):
 def test_engine_driven_step_by_step(model_paths, hf_greedy):
     llm = LLM(model_paths["mha_untied"], kvcache_block_size=16)
     prompts = mixed_prompts(vocab_size(llm), lengths=(12, 30))
-    ids = [llm.add_request(p, GREEDY) for p in prompts]
+    ids = [llm.engine.add_request(p, GREEDY) for p in prompts]
     finished = {}
-    while not llm.is_finished():
-        for out in llm.step():
+    while not llm.engine.is_finished():
+        for out in llm.engine.step():
             finished[out["request_id"]] = out
     assert sorted(finished) == sorted(ids)
     for request_id, prompt in zip(ids, prompts):
@@ -121,17 +121,17 @@ def test_next_step_is_launched_before_the_tokens_of_the_last_arrive(model_paths,
     llm = LLM(model_paths["gqa_tied"], kvcache_block_size=16)
     prompts = mixed_prompts(vocab_size(llm), lengths=(12, 30, 5))
     for p in prompts:
-        llm.add_request(p, GREEDY)
-    llm.step()                                              # prefill: launched, not collected
-    assert llm.in_flight is not None
+        llm.engine.add_request(p, GREEDY)
+    llm.engine.step()                                              # prefill: launched, not collected
+    assert llm.engine.core.in_flight is not None
     assert all(seq.pending_row is not None and seq.num_tokens == len(seq.token_ids) + 1 == seq.num_prompt_tokens + 1
-               for seq in llm.scheduler.running)
-    llm.step()                                              # decode launched from those pending rows
+               for seq in llm.engine.core.scheduler.running)
+    llm.engine.step()                                              # decode launched from those pending rows
     assert all(seq.pending_row is not None and seq.num_completion_tokens == 2 and len(seq.completion_token_ids) == 1
-               for seq in llm.scheduler.running)
+               for seq in llm.engine.core.scheduler.running)
     finished = []
-    while not llm.is_finished():
-        finished += llm.step()
+    while not llm.engine.is_finished():
+        finished += llm.engine.step()
     by_id = {o["request_id"]: o for o in finished}
     assert [o["token_ids"] for o in sorted(by_id.values(), key=lambda o: o["request_id"])] == \
         [hf_greedy(llm.config.model, p, 16) for p in prompts]
@@ -150,7 +150,7 @@ def test_early_stops_do_not_disturb_the_step_already_queued(model_paths, hf_gree
     for i, (out, e) in enumerate(zip(outputs, expected)):
         want = e[:e.index(e[2]) + 1] if i % 2 == 0 else e
         assert out["token_ids"] == want and out["finish_reason"] == ("stop" if i % 2 == 0 else "length")
-    assert llm.block_manager.num_used_blocks == 0
+    assert llm.engine.core.scheduler.block_manager.num_used_blocks == 0
     again = llm.generate(prompts, GREEDY, use_tqdm=False)     # served from the cache they left
     assert sum(o["num_cached_tokens"] for o in again) > 0
     assert [o["token_ids"] for o in again] == expected
@@ -194,10 +194,9 @@ def test_seeded_sampling_is_reproducible(model_paths):
 def eos_model(model_paths, tmp_path_factory):
     """A copy of a tiny model whose generation_config names, as EOS, the token that greedy
     decoding of PROMPT produces at step EOS_STEP."""
-    from nanovllm.engine.llm_engine import LLMEngine
     path = str(tmp_path_factory.mktemp("eos_model"))
     shutil.copytree(model_paths["mha_untied"], path, dirs_exist_ok=True)
-    llm = LLMEngine(path, kvcache_block_size=16)
+    llm = LLM(path, kvcache_block_size=16)
     prompt = mixed_prompts(llm.config.hf_config.vocab_size, lengths=(12,), seed=5)[0]
     tokens = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                           use_tqdm=False)[0]["token_ids"]
@@ -283,7 +282,7 @@ def test_bad_prompt_is_rejected_and_engine_keeps_working(model_paths, hf_greedy,
     good = [5, 6, 7, 8]
     with pytest.raises(error, match=words):
         llm.generate([good, make_prompt(vocab_size(llm))], GREEDY, use_tqdm=False)
-    assert llm.is_finished()   # nothing from the rejected call was queued
+    assert llm.engine.is_finished()   # nothing from the rejected call was queued
     assert llm.generate([good], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(llm.config.model, good, 16)
 
 
@@ -350,7 +349,7 @@ def test_dummy_weights_are_the_random_checkpoint_drawn_in_place(tmp_path):
     """load_format="dummy" needs no weight files; it draws what write_random_checkpoint would write
     (same seed), so it must generate exactly what the written checkpoint does."""
     import torch
-    from nanovllm.utils.random_checkpoint import tiny_config, write_demo_tokenizer, write_random_checkpoint
+    from nanovllm.checkpoints.random_checkpoint import tiny_config, write_demo_tokenizer, write_random_checkpoint
     written = str(tmp_path / "written")
     tokenizer = write_demo_tokenizer(written)
     device = "cuda" if torch.cuda.is_available() else "cpu"      # where the engine will draw them

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from nanovllm.kernels.fp8_primitives import FP8_DTYPE, FP8_MAX
 from tests.conftest import mixed_prompts
 
 PROMPTS = mixed_prompts(500, lengths=(5, 30, 60, 17, 90, 3, 44, 71, 120, 8, 33, 66, 12, 50, 99, 140), seed=0)
@@ -30,9 +30,9 @@ def engines(model_paths):
 
 def test_pool_is_float8_with_measured_scales(engines):
     auto, fp8 = engines
-    cache = fp8.model_runner.kv_cache
-    assert cache.tensor.dtype == FP8_DTYPE and cache.block_bytes * 4 == auto.model_runner.kv_cache.block_bytes
-    layer = fp8.model_runner.attention_layers[1]
+    cache = fp8.engine.core.executor.driver.kv_cache
+    assert cache.tensor.dtype == FP8_DTYPE and cache.block_bytes * 4 == auto.engine.core.executor.driver.kv_cache.block_bytes
+    layer = fp8.engine.core.executor.driver.attention_layers[1]
     assert layer.k_scale is not None and layer.k_scale.data_ptr() == cache.scales[0, 1].data_ptr()
     fp8.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     stored = cache.tensor.float().abs()
@@ -61,7 +61,7 @@ def test_fp8_runs_long_decodes_with_prefix_hits_and_stays_consistent(engines):
     second = fp8.generate(PROMPTS[:6], params, use_tqdm=False)
     assert any(o["num_cached_tokens"] for o in second)
     assert [o["token_ids"] for o in first] == [o["token_ids"] for o in second]
-    assert fp8.block_manager.num_used_blocks == 0
+    assert fp8.engine.core.scheduler.block_manager.num_used_blocks == 0
 
 
 def test_kv_cache_dtype_is_checked(model_paths):
@@ -93,12 +93,12 @@ def test_checkpoint_kv_scales_replace_the_measured_ones(engines, model_paths, tm
     """Scales in the checkpoint are used as they are (a scale per head becomes the layer's largest);
     the 16-bit cache ignores them, and a checkpoint without them gets measured scales."""
     auto, fp8 = engines
-    measured = fp8.model_runner.kv_cache.scales.flatten(1)          # [K or V, layer]
+    measured = fp8.engine.core.executor.driver.kv_cache.scales.flatten(1)          # [K or V, layer]
     k_scales = [1.5 * float(s) for s in measured[0]]
     v_scales = [[0.5 * float(s), 1.25 * float(s)] for s in measured[1]]   # per KV head
     path = with_kv_scales(model_paths["gqa_tied"], tmp_path / "scaled", k_scales, v_scales)
     scaled = LLM(path, kvcache_block_size=16, num_kvcache_blocks=64, kv_cache_dtype="fp8")
-    got = scaled.model_runner.kv_cache.scales.flatten(1)
+    got = scaled.engine.core.executor.driver.kv_cache.scales.flatten(1)
     assert got[0].tolist() == pytest.approx(k_scales, rel=1e-6)
     assert got[1].tolist() == pytest.approx([max(v) for v in v_scales], rel=1e-6)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

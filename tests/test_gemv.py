@@ -4,7 +4,7 @@ of 128, 64 and 32, 1 to 16 rows, split K and bias; the twin against the dequanti
 import pytest
 import torch
 
-from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from nanovllm.kernels.fp8_primitives import FP8_DTYPE, FP8_MAX
 from nanovllm.kernels.fp8_gemv import FEW_ROWS_CONFIG, ONE_ROW_CONFIG, GemvConfig, fp8_gemv, fp8_gemv_ref
 from nanovllm.kernels.fp8_linear import dequantize_ref
 

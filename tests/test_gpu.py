@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.sequence import Sequence
 from tests.conftest import mixed_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -17,7 +17,7 @@ CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 def generate_and_free(path, prompts, params, **engine_args):
     llm = LLM(path, kvcache_block_size=16, **engine_args)
     outputs = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
-    stats = llm.scheduler.num_preemptions
+    stats = llm.engine.core.scheduler.num_preemptions
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -93,27 +93,27 @@ def test_shape_bf16_logits_within_bf16_tolerance(shape):
     float32 run. (The transformers models are loaded one at a time: the 8B shape is 16 GB in bf16.)"""
     from transformers import AutoModelForCausalLM
 
-    from nanovllm.utils.random_checkpoint import cached_random_checkpoint
+    from nanovllm.checkpoints.random_checkpoint import cached_random_checkpoint
     path = cached_random_checkpoint(os.path.join(CONFIGS, f"{shape}.json"))
     llm = LLM(path, gpu_memory_utilization=0.3, max_num_seqs=16)
     assert llm.config.torch_dtype == torch.bfloat16
     prompts = mixed_prompts(10000, lengths=(1, 17, 300, 1000), seed=4)
     seqs = [Sequence(p, SamplingParams(temperature=0)) for p in prompts]
     for seq in seqs:
-        llm.scheduler.add(seq)
-    runner = llm.model_runner
-    prefill = llm.scheduler.schedule()
+        llm.engine.core.scheduler.add(seq)
+    runner = llm.engine.core.executor
+    prefill = llm.engine.core.scheduler.schedule()
     assert prefill.is_prefill and len(prefill.seqs) == len(prompts)
-    prefill_logits = runner.execute(runner.prepare_step(prefill)).float()
+    prefill_logits = runner.driver.execute(runner.prepare_step(prefill)).float()
     next_tokens = prefill_logits.argmax(-1).tolist()
-    llm.scheduler.fill(llm.scheduler.advance(prefill), next_tokens)   # every prompt completes: one token each
-    decode = llm.scheduler.schedule()
-    assert not decode.is_prefill and runner.graphs
+    llm.engine.core.scheduler.fill(llm.engine.core.scheduler.advance(prefill), next_tokens)   # every prompt completes: one token each
+    decode = llm.engine.core.scheduler.schedule()
+    assert not decode.is_prefill and runner.driver.graphs
     decode_inputs = runner.prepare_step(decode)
-    decode_logits = runner.execute(decode_inputs).float()
-    graphs, runner.graphs = runner.graphs, []
-    eager_logits = runner.execute(decode_inputs).float()      # same step without the CUDA graph
-    runner.graphs = graphs
+    decode_logits = runner.driver.execute(decode_inputs).float()
+    graphs, runner.driver.graphs = runner.driver.graphs, []
+    eager_logits = runner.driver.execute(decode_inputs).float()      # same step without the CUDA graph
+    runner.driver.graphs = graphs
     assert relative_error(decode_logits, eager_logits) < 1e-2
     llm.shutdown()
     del llm, runner, graphs
@@ -143,11 +143,11 @@ def test_verify_step_graphs_give_the_eager_logits(model_path):
     CUDA graph of k + 1 tokens, padded, against the same step run eagerly."""
     import numpy as np
 
-    from nanovllm.worker.step_inputs import StepInputs
+    from nanovllm.executor.step_inputs import StepInputs
     llm = LLM(model_path, device="cuda", kvcache_block_size=16,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    runner = llm.model_runner
-    assert [graphs.query_len for graphs in runner.graphs] == [1, 5]
+    runner = llm.engine.core.executor
+    assert [graphs.query_len for graphs in runner.driver.graphs] == [1, 5]
     rng = np.random.default_rng(0)
     vocab = llm.config.model_config.vocab_size
     cached, q_lens = np.array([30, 17, 45]), np.array([1, 3, 5])
@@ -161,13 +161,13 @@ def test_verify_step_graphs_give_the_eager_logits(model_path):
         return StepInputs(True, rng.integers(0, vocab, cu[-1]), positions, slots, starts + lens, cu, tables,
                           np.arange(cu[-1]))
 
-    runner.execute(step(np.zeros(3, np.int64), cached))            # the cached context, eagerly
+    runner.driver.execute(step(np.zeros(3, np.int64), cached))            # the cached context, eagerly
     verify = step(cached, q_lens)
-    assert runner.graphs[1].size_for(verify) == 4 and runner.graphs[0].size_for(verify) == 0
-    replayed = runner.execute(verify).float()
-    graphs, runner.graphs = runner.graphs, []
-    eager = runner.execute(verify).float()
-    runner.graphs = graphs
+    assert runner.driver.graphs[1].size_for(verify) == 4 and runner.driver.graphs[0].size_for(verify) == 0
+    replayed = runner.driver.execute(verify).float()
+    graphs, runner.driver.graphs = runner.driver.graphs, []
+    eager = runner.driver.execute(verify).float()
+    runner.driver.graphs = graphs
     assert replayed.shape == (q_lens.sum(), vocab)
     assert relative_error(replayed, eager) < 1e-3
     llm.shutdown()
@@ -180,8 +180,8 @@ def test_awq_decode_leaves_split_sums_to_the_residual_norms(tmp_path, monkeypatc
     from nanovllm.kernels.zeroed_workspace import PendingSums
     from nanovllm.layers.linear import RowParallelLinear
     from nanovllm.quantization import weight_only
-    from nanovllm.utils.quantized_checkpoint import write_awq_checkpoint
-    from nanovllm.utils.random_checkpoint import write_tiny_model
+    from nanovllm.checkpoints.quantized_checkpoint import write_awq_checkpoint
+    from nanovllm.checkpoints.random_checkpoint import write_tiny_model
     source = write_tiny_model(str(tmp_path / "source"), seed=21, hidden_size=256, intermediate_size=512,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     path = write_awq_checkpoint(source, str(tmp_path / "awq"), group_size=128)

@@ -16,7 +16,7 @@ from nanovllm.kernels.int4_gemv import (F32_OFFSET, MAGIC, ONE_ROW_CONFIG, WIDE_
                                         Int4GemvConfig, gemv_supported, int4_gemv, unpack_asm, unpack_f32_asm)
 from nanovllm.kernels.int_gemm import int_gemm_ref
 from nanovllm.quantization.int_packing import awq_for_gemm, gptq_for_gemm
-from nanovllm.utils.quantized_checkpoint import quantize_awq, quantize_gptq
+from nanovllm.checkpoints.quantized_checkpoint import quantize_awq, quantize_gptq
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16] if DEVICE == "cuda" else [torch.float32, torch.float16]

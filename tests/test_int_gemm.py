@@ -8,7 +8,7 @@ import torch
 from nanovllm.kernels.int_gemm import (DECODE_CONFIG, PREFILL_CONFIG, SWAPPED_CONFIGS, LaunchConfig, int_gemm,
                                        int_gemm_ref, launch_config)
 from nanovllm.quantization.int_packing import awq_for_gemm, dequantize_awq, dequantize_gptq, gptq_for_gemm
-from nanovllm.utils.quantized_checkpoint import act_order, quantize_awq, quantize_gptq
+from nanovllm.checkpoints.quantized_checkpoint import act_order, quantize_awq, quantize_gptq
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float32, torch.float16]

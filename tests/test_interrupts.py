@@ -22,8 +22,8 @@ class Injected(Exception):
 def assert_consistent(llm: LLM) -> None:
     """Every block's reference count equals the number of live block tables that hold it; free
     blocks are exactly those with no holder; every hash entry names a block carrying that hash."""
-    bm = llm.block_manager
-    sched = llm.scheduler
+    bm = llm.engine.core.scheduler.block_manager
+    sched = llm.engine.core.scheduler
     assert not set(map(id, sched.running)) & set(map(id, sched.waiting))
     holders = [0] * len(bm.blocks)
     for seq in list(sched.running) + list(sched.waiting):
@@ -38,16 +38,16 @@ def assert_consistent(llm: LLM) -> None:
         assert bm.blocks[block_id].hash == block_hash
     assert all(bm.blocks[b].hash is not None for b in bm.evictable_blocks)
     live = {seq.request_id for seq in list(sched.running) + list(sched.waiting)}
-    assert live <= set(llm.requests)
+    assert live <= set(llm.engine.core.requests)
 
 
 def assert_idle_and_correct(llm: LLM, hf_greedy, prompts=PROMPTS) -> None:
     assert_consistent(llm)
-    assert llm.is_finished() and llm.block_manager.num_used_blocks == 0
+    assert llm.engine.is_finished() and llm.engine.core.scheduler.block_manager.num_used_blocks == 0
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == [hf_greedy(llm.config.model, p, 12) for p in prompts]
     assert_consistent(llm)
-    assert llm.block_manager.num_used_blocks == 0
+    assert llm.engine.core.scheduler.block_manager.num_used_blocks == 0
 
 
 def fail_on_call(obj, name: str, k: int, error: type[BaseException], after: bool = False):
@@ -95,16 +95,16 @@ def restore(obj, name):
 
 # Where the loop can be interrupted: (object to patch, attribute, call number, after the call)
 def injection_points(llm):
-    runner, sched = llm.model_runner, llm.scheduler
-    layer = runner.model.model.layers[-1].mlp
+    runner, sched = llm.engine.core.executor, llm.engine.core.scheduler
+    layer = runner.driver.model.model.layers[-1].mlp
     return {
         "scheduling": (sched, "schedule", 4, False),
         "launch": (runner, "launch", 3, False),
         # with CUDA graphs, decode steps replay a graph instead of calling the layers
-        "forward pass": (runner.graphs, "replay", 3, False) if runner.graphs else (layer, "forward", 5, False),
+        "forward pass": (runner.driver.graphs, "replay", 3, False) if runner.driver.graphs else (layer, "forward", 5, False),
         "waiting for tokens": (runner, "collect", 4, False),
         "after the tokens came": (sched, "fill", 3, True),
-        "stop strings": (llm, "_apply_stop_strings", 6, False),
+        "stop strings": (llm.engine.core, "finds_stop", 6, False),
     }
 
 
@@ -119,7 +119,7 @@ def llm(model_paths):
 def test_interrupted_generate_leaves_a_consistent_engine(llm, hf_greedy, point, error, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["never appears\x00"])
     if point == "progress bar":
-        monkeypatch.setattr("nanovllm.engine.llm_engine.tqdm", failing_progress_bar(2, error))
+        monkeypatch.setattr("nanovllm.llm.tqdm", failing_progress_bar(2, error))
     else:
         obj, name, k, after = injection_points(llm)[point]
         fail_on_call(obj, name, k, error, after)
@@ -135,31 +135,31 @@ def test_interrupted_generate_leaves_a_consistent_engine(llm, hf_greedy, point, 
 def test_other_requests_survive_an_interrupted_generate(llm, hf_greedy):
     """A request added with add_request keeps running through another call's interruption; its
     output comes from a later step() (once), or from the interrupted call's steps if it finished."""
-    mine = llm.add_request(PROMPTS[0], GREEDY)
-    fail_on_call(llm.model_runner, "collect", 3, KeyboardInterrupt)
+    mine = llm.engine.add_request(PROMPTS[0], GREEDY)
+    fail_on_call(llm.engine.core.executor, "collect", 3, KeyboardInterrupt)
     try:
         with pytest.raises(KeyboardInterrupt):
             llm.generate(PROMPTS[1:], GREEDY, use_tqdm=False)
     finally:
-        restore(llm.model_runner, "collect")
+        restore(llm.engine.core.executor, "collect")
     assert_consistent(llm)
     outputs = []
-    while not llm.is_finished():
-        outputs += llm.step()
+    while not llm.engine.is_finished():
+        outputs += llm.engine.step()
     assert [o["request_id"] for o in outputs] == [mine]
     assert outputs[0]["token_ids"] == hf_greedy(llm.config.model, PROMPTS[0], 12)
-    assert llm.step() == [] and llm.block_manager.num_used_blocks == 0
+    assert llm.engine.step() == [] and llm.engine.core.scheduler.block_manager.num_used_blocks == 0
 
 
 def test_request_finishing_during_generate_is_returned_by_step(llm, hf_greedy):
-    short = llm.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    short = llm.engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     long = llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0]
     assert long["token_ids"] == hf_greedy(llm.config.model, PROMPTS[2], 12)
-    assert not llm.is_finished()                       # its output waits to be returned
-    outputs = llm.step()
+    assert not llm.engine.is_finished()                       # its output waits to be returned
+    outputs = llm.engine.step()
     assert [o["request_id"] for o in outputs] == [short]
     assert outputs[0]["token_ids"] == hf_greedy(llm.config.model, PROMPTS[1], 2)
-    assert llm.is_finished() and llm.step() == []
+    assert llm.engine.is_finished() and llm.engine.step() == []
 
 
 def generate_until_ctrl_c(llm, prompts, params, delay: float) -> None:
@@ -185,27 +185,27 @@ def test_ctrl_c_from_a_signal_mid_generate(llm, hf_greedy):
     for delay in (0.05, 0.2, 0.45):
         generate_until_ctrl_c(llm, PROMPTS * 4, long_run, delay)
         assert_consistent(llm)
-        assert llm.is_finished() and llm.block_manager.num_used_blocks == 0
+        assert llm.engine.is_finished() and llm.engine.core.scheduler.block_manager.num_used_blocks == 0
     assert_idle_and_correct(llm, hf_greedy)
 
 
 def test_abort_frees_blocks_at_once_also_in_flight(llm, hf_greedy):
-    ids = [llm.add_request(p, GREEDY) for p in PROMPTS[:3]]
-    llm.step()                                          # prefill launched, tokens still pending
-    llm.step()                                          # a decode step in flight
-    assert llm.in_flight is not None and ids[1] in {s.request_id for s in llm.in_flight.seqs}
-    held = len(llm.requests[ids[1]].block_table)
-    used = llm.block_manager.num_used_blocks
-    assert llm.abort(ids[1]) and not llm.abort(ids[1])
-    assert llm.block_manager.num_used_blocks == used - held
+    ids = [llm.engine.add_request(p, GREEDY) for p in PROMPTS[:3]]
+    llm.engine.step()                                          # prefill launched, tokens still pending
+    llm.engine.step()                                          # a decode step in flight
+    assert llm.engine.core.in_flight is not None and ids[1] in {s.request_id for s in llm.engine.core.in_flight.seqs}
+    held = len(llm.engine.core.requests[ids[1]].block_table)
+    used = llm.engine.core.scheduler.block_manager.num_used_blocks
+    assert llm.engine.abort(ids[1]) and not llm.engine.abort(ids[1])
+    assert llm.engine.core.scheduler.block_manager.num_used_blocks == used - held
     assert_consistent(llm)
     outputs = []
-    while not llm.is_finished():
-        outputs += llm.step()
+    while not llm.engine.is_finished():
+        outputs += llm.engine.step()
     assert sorted(o["request_id"] for o in outputs) == [ids[0], ids[2]]
     for o in outputs:
         assert o["token_ids"] == hf_greedy(llm.config.model, PROMPTS[ids.index(o["request_id"])], 12)
-    assert llm.block_manager.num_used_blocks == 0
+    assert llm.engine.core.scheduler.block_manager.num_used_blocks == 0
 
 
 def test_random_interleavings_keep_every_invariant(llm, hf_greedy):
@@ -218,15 +218,15 @@ def test_random_interleavings_keep_every_invariant(llm, hf_greedy):
     expected = {i: hf_greedy(path, p, 6) for i, p in enumerate(prompts)}
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompt_of, delivered, aborted = {}, [], set()
-    targets = [(llm.model_runner, "collect"), (llm.model_runner, "launch"), (llm.scheduler, "schedule"),
-               (llm.scheduler, "fill")]
+    targets = [(llm.engine.core.executor, "collect"), (llm.engine.core.executor, "launch"), (llm.engine.core.scheduler, "schedule"),
+               (llm.engine.core.scheduler, "fill")]
     for _ in range(60):
         action = rng.choice(["add", "add", "step", "step", "step", "generate", "interrupt", "abort", "bad"])
         if action == "add":
             i = rng.randrange(len(prompts))
-            prompt_of[llm.add_request(prompts[i], params)] = i
+            prompt_of[llm.engine.add_request(prompts[i], params)] = i
         elif action == "step":
-            delivered += [(o["request_id"], o) for o in llm.step()]
+            delivered += [(o["request_id"], o) for o in llm.engine.step()]
         elif action == "generate":
             picks = rng.sample(range(len(prompts)), 2)
             outs = llm.generate([prompts[i] for i in picks], params, use_tqdm=False)
@@ -246,24 +246,24 @@ def test_random_interleavings_keep_every_invariant(llm, hf_greedy):
         elif action == "abort" and prompt_of:
             request_id = rng.choice(sorted(prompt_of))
             if request_id not in aborted and request_id not in dict(delivered):
-                assert llm.abort(request_id)
+                assert llm.engine.abort(request_id)
                 aborted.add(request_id)
         elif action == "bad":
             bad = rng.choice([SamplingParams(stop_token_ids=[10**6]), SamplingParams(top_p=0.5)])
             if bad.top_p == 0.5:
                 bad.top_p = 7.0                          # changed after construction
             with pytest.raises(ValueError):
-                llm.add_request(prompts[0], bad)
+                llm.engine.add_request(prompts[0], bad)
         assert_consistent(llm)
-    while not llm.is_finished():
-        delivered += [(o["request_id"], o) for o in llm.step()]
+    while not llm.engine.is_finished():
+        delivered += [(o["request_id"], o) for o in llm.engine.step()]
         assert_consistent(llm)
     ids = [request_id for request_id, _ in delivered]
     assert len(ids) == len(set(ids))                      # exactly once
     assert set(ids) == set(prompt_of) - aborted           # every request not aborted
     for request_id, out in delivered:
         assert out["token_ids"] == expected[prompt_of[request_id]]
-    assert llm.block_manager.num_used_blocks == 0
+    assert llm.engine.core.scheduler.block_manager.num_used_blocks == 0
 
 
 # ---- input holes -------------------------------------------------------------------------------
@@ -272,7 +272,7 @@ def test_stop_token_outside_vocabulary_is_rejected(llm, hf_greedy):
     with pytest.raises(ValueError, match="stop_token_ids"):
         llm.generate([PROMPTS[0]], SamplingParams(min_tokens=2, stop_token_ids=[10**6]), use_tqdm=False)
     with pytest.raises(ValueError, match="stop_token_ids"):
-        llm.add_request(PROMPTS[0], SamplingParams(stop_token_ids=[llm.config.hf_config.vocab_size]))
+        llm.engine.add_request(PROMPTS[0], SamplingParams(stop_token_ids=[llm.config.hf_config.vocab_size]))
     assert_idle_and_correct(llm, hf_greedy, PROMPTS[:2])
 
 
@@ -305,16 +305,17 @@ def test_sampling_params_changed_after_construction_are_checked_again(llm):
     params = SamplingParams(temperature=0.5)
     params.temperature = -1.0
     with pytest.raises(ValueError, match="temperature"):
-        llm.add_request(PROMPTS[0], params)
+        llm.engine.add_request(PROMPTS[0], params)
     params = SamplingParams()
     params.max_tokens = 0
     with pytest.raises(ValueError, match="max_tokens"):
         llm.generate([PROMPTS[0]], params, use_tqdm=False)
-    assert llm.is_finished()
+    assert llm.engine.is_finished()
 
 
 def test_add_request_on_a_shut_down_engine_raises(model_paths):
-    engine = LLM(model_paths["gqa_tied"], kvcache_block_size=16)
+    from nanovllm.engine.llm_engine import LLMEngine
+    engine = LLMEngine(model_paths["gqa_tied"], kvcache_block_size=16)
     engine.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         engine.add_request([5, 6], GREEDY)
@@ -323,7 +324,7 @@ def test_add_request_on_a_shut_down_engine_raises(model_paths):
 
 
 def test_duplicate_request_id_is_rejected(llm):
-    llm.add_request([5, 6], GREEDY, request_id="a")
+    llm.engine.add_request([5, 6], GREEDY, request_id="a")
     with pytest.raises(ValueError, match="request_id"):
-        llm.add_request([7, 8], GREEDY, request_id="a")
-    assert llm.abort("a") and llm.is_finished()
+        llm.engine.add_request([7, 8], GREEDY, request_id="a")
+    assert llm.engine.abort("a") and llm.engine.is_finished()

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from nanovllm.kernels import paged_attention
-from nanovllm.kernels.fp8 import (FP8_DTYPE, SCALE_FLOOR, check_kv_scales, dequantize_fp8, kv_scale_from_absmax,
+from nanovllm.kernels.fp8_kv_cache import (FP8_DTYPE, SCALE_FLOOR, check_kv_scales, dequantize_fp8, kv_scale_from_absmax,
                                   quantize_fp8)
 from nanovllm.kernels.paged_attention import (decode_num_splits, paged_attention_ref, paged_decode_attention,
                                               paged_decode_attention_ref, paged_prefill_attention)

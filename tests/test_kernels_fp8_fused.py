@@ -14,7 +14,7 @@ in tests/test_kernels.py), which moves a code by at most one e4m3 step and a sca
 import pytest
 import torch
 
-from nanovllm.kernels.fp8 import FP8_DTYPE
+from nanovllm.kernels.fp8_primitives import FP8_DTYPE
 from nanovllm.kernels.fp8_linear import QuantizedActivation, dequantize_ref, quantize_activation
 from nanovllm.kernels.rms_norm import rms_norm, rms_norm_quant, rms_norm_quant_ref, rms_norm_ref
 from nanovllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_quant, silu_and_mul_quant_ref

@@ -3,7 +3,7 @@ float32/float16; bfloat16 on CUDA), and the twins against plain float math."""
 import pytest
 import torch
 
-from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from nanovllm.kernels.fp8_primitives import FP8_DTYPE, FP8_MAX
 from nanovllm.kernels.fp8_linear import (GemmTile, decode_tile, dequantize_ref, fp8_linear, fp8_matmul,
                                          fp8_matmul_ref, quantize_activation, quantize_activation_ref)
 

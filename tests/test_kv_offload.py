@@ -15,12 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
-from nanovllm.engine.block_manager import BlockManager, HostHit
-from nanovllm.engine.sequence import Sequence
-from nanovllm.kernels.fp8 import FP8_DTYPE
+from nanovllm.core.block_manager import BlockManager, HostHit
+from nanovllm.core.sequence import Sequence
+from nanovllm.kernels.fp8_primitives import FP8_DTYPE
 from nanovllm.serve.cli import parse_args
 from nanovllm.serve.metrics import EngineStatsCollector
-from nanovllm.utils.random_checkpoint import write_tiny_model
+from nanovllm.checkpoints.random_checkpoint import write_tiny_model
 from nanovllm.worker.kv_cache import KVCache
 from nanovllm.worker import kv_offload
 from nanovllm.worker.kv_offload import HostKVCache
@@ -262,7 +262,7 @@ def test_returning_conversations_load_their_history_from_host_memory(offload_llm
     assert stats["prefix_cache_host_hits"] >= sum(cached[4:]) - sum(ref_cached[4:])
     assert 0 < stats["kv_offload_usage"] <= 1
     assert_consistent(offload_llm)
-    assert_host_consistent(offload_llm.block_manager)
+    assert_host_consistent(offload_llm.engine.core.scheduler.block_manager)
     for prompt, reply in list(zip(prompts, replies))[::3]:
         assert reply == hf_greedy(offload_llm.config.model, prompt, GREEDY.max_tokens)
 
@@ -286,8 +286,8 @@ def test_metrics_report_the_host_tier(offload_llm):
 def test_interrupted_steps_leak_nothing_and_keep_outputs(offload_llm, reference, point, error, after):
     """Interrupted before, or right after, a step's copies (or in its forward pass): both tiers end
     consistent, and the workload that follows gives the same replies."""
-    runner = offload_llm.model_runner
-    target = runner.host_kv_cache if point == "transfer" else runner.model.model.layers[-1].mlp
+    runner = offload_llm.engine.core.executor
+    target = runner.driver.host_kv_cache if point == "transfer" else runner.driver.model.model.layers[-1].mlp
     name = "transfer" if point == "transfer" else "forward"
     fail_on_call(target, name, 2, error, after)
     try:
@@ -296,21 +296,21 @@ def test_interrupted_steps_leak_nothing_and_keep_outputs(offload_llm, reference,
     finally:
         restore(target, name)
     assert_consistent(offload_llm)
-    assert_host_consistent(offload_llm.block_manager)
-    assert offload_llm.block_manager.num_used_blocks == 0
+    assert_host_consistent(offload_llm.engine.core.scheduler.block_manager)
+    assert offload_llm.engine.core.scheduler.block_manager.num_used_blocks == 0
     assert multi_turn(offload_llm)[1] == reference[1]
 
 
 def test_abort_leaks_nothing(offload_llm, reference):
     for k, prompt in enumerate(reference[0][4:8]):
-        offload_llm.add_request(prompt, GREEDY, request_id=f"abort{k}")
+        offload_llm.engine.add_request(prompt, GREEDY, request_id=f"abort{k}")
     for _ in range(3):
-        offload_llm.step()
+        offload_llm.engine.step()
     for k in range(4):
-        offload_llm.abort(f"abort{k}")
-    assert offload_llm.is_finished() and offload_llm.block_manager.num_used_blocks == 0
+        offload_llm.engine.abort(f"abort{k}")
+    assert offload_llm.engine.is_finished() and offload_llm.engine.core.scheduler.block_manager.num_used_blocks == 0
     assert_consistent(offload_llm)
-    assert_host_consistent(offload_llm.block_manager)
+    assert_host_consistent(offload_llm.engine.core.scheduler.block_manager)
     assert multi_turn(offload_llm)[1] == reference[1]
 
 
@@ -320,14 +320,14 @@ def test_preempted_sequences_come_back_through_the_host_tier(offload_llm, model_
     prompts = [[random.Random(k).randrange(3, 500) for _ in range(60)] for k in range(4)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     before = offload_llm.stats()
-    preemptions = offload_llm.scheduler.num_preemptions
+    preemptions = offload_llm.engine.core.scheduler.num_preemptions
     outputs = offload_llm.generate(prompts, params, use_tqdm=False)
-    assert offload_llm.scheduler.num_preemptions > preemptions
+    assert offload_llm.engine.core.scheduler.num_preemptions > preemptions
     assert offload_llm.stats()["kv_offload_blocks_loaded"] > before["kv_offload_blocks_loaded"]
     for prompt, output in list(zip(prompts, outputs))[::2]:
         assert output["token_ids"] == hf_greedy(model_paths["gqa_tied"], prompt, 24)
     assert_consistent(offload_llm)
-    assert_host_consistent(offload_llm.block_manager)
+    assert_host_consistent(offload_llm.engine.core.scheduler.block_manager)
 
 
 @pytest.fixture(scope="module")

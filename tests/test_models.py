@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.rotary import rotary_inv_freq
 from nanovllm.models.registry import read_model_config
-from nanovllm.utils.random_checkpoint import config_from_dict, write_tiny_model
+from nanovllm.checkpoints.random_checkpoint import config_from_dict, write_tiny_model
 from tests.conftest import mixed_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -103,7 +103,7 @@ def test_preemption_keeps_tokens(family_path, hf_greedy):
     prompts = mixed_prompts(500, lengths=(30, 45, 38, 50), seed=3)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     assert_matches_transformers(family_path, outputs, prompts, hf_greedy, num_tokens=24)
 
 

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausal
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.models.registry import build_model, read_model_config
-from nanovllm.utils.random_checkpoint import config_from_dict, tiny_config, write_demo_tokenizer, write_tiny_model
+from nanovllm.checkpoints.random_checkpoint import config_from_dict, tiny_config, write_demo_tokenizer, write_tiny_model
 from tests.conftest import mixed_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -116,8 +116,8 @@ def test_mixed_batch_matches_transformers(moe_path, hf_greedy):
     prompts = mixed_prompts(llm.config.model_config.vocab_size, lengths=(1, 3, 17, 40, 64, 7))
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_matches_transformers(llm, outputs, prompts, hf_greedy)
-    assert llm.block_manager.num_used_blocks == 0
-    sparse = [layer.mlp for i, layer in enumerate(llm.model_runner.model.model.layers) if i != DENSE_LAYER]
+    assert llm.engine.core.scheduler.block_manager.num_used_blocks == 0
+    sparse = [layer.mlp for i, layer in enumerate(llm.engine.core.executor.driver.model.model.layers) if i != DENSE_LAYER]
     assert len(sparse) == 2 and all(hasattr(mlp, "experts") for mlp in sparse)
 
     # the test is not weak: routing spreads over the experts and greedy choices are clear
@@ -162,9 +162,9 @@ def test_preemption_keeps_tokens(moe_paths, hf_greedy):
     prompts = mixed_prompts(llm.config.model_config.vocab_size, lengths=(30, 45, 20, 38, 50, 9), seed=3)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     assert_matches_transformers(llm, outputs, prompts, hf_greedy, num_tokens=24)
-    assert llm.block_manager.num_used_blocks == 0
+    assert llm.engine.core.scheduler.block_manager.num_used_blocks == 0
 
 
 @pytest.mark.skipif((torch.cuda.device_count() if torch.cuda.is_available() else os.cpu_count() or 1) < 2,
@@ -173,7 +173,7 @@ def test_two_ranks_split_every_expert(moe_paths, hf_greedy):
     path = moe_paths[True]
     prompts = mixed_prompts(500, lengths=(1, 17, 70, 5))
     with LLM(path, kvcache_block_size=16, tensor_parallel_size=2, max_num_batched_tokens=32, max_num_seqs=4) as llm:
-        experts = llm.model_runner.model.model.layers[0].mlp.experts
+        experts = llm.engine.core.executor.driver.model.model.layers[0].mlp.experts
         assert experts.w13_weight.shape == (NUM_EXPERTS, 32, 64) and experts.w2_weight.shape == (NUM_EXPERTS, 64, 16)
         first = llm.generate(prompts, GREEDY, use_tqdm=False)
         second = llm.generate(prompts, GREEDY, use_tqdm=False)

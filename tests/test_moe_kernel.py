@@ -180,7 +180,7 @@ def test_fused_moe_ignores_experts_without_tokens():
 def fp8_experts(w: torch.Tensor, group_size: int, dtype: torch.dtype):
     """w [E, N, K] as float8 experts with one scale per row and group_size columns (the last group
     may be short), as Fp8BlockMoEMethod holds a checkpoint's block scales."""
-    from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX
+    from nanovllm.kernels.fp8_primitives import FP8_DTYPE, FP8_MAX
     from nanovllm.quantization.fp8 import Fp8Experts
     e, n, k = w.shape
     groups = -(-k // group_size)

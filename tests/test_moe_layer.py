@@ -9,7 +9,7 @@ from torch import nn
 
 from nanovllm.kernels.moe_routing import route, route_ref
 from nanovllm.layers.moe import SparseMoeBlock, expert_checkpoint_names
-from nanovllm.utils.loader import checkpoint_names
+from nanovllm.worker.weight_loader import checkpoint_names
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"     # the route kernel's; the CPU runs Triton's interpreter
 

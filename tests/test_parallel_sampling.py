@@ -35,7 +35,7 @@ def test_n_greedy_copies_equal_greedy(llm, hf_greedy):
         expected = hf_greedy(llm.config.model, prompt, 10)
         assert completions(out) == [expected] * 3 and out["token_ids"] == expected
         assert [c["index"] for c in out["outputs"]] == [0, 1, 2]
-    assert llm.block_manager.num_used_blocks == 0
+    assert llm.engine.core.scheduler.block_manager.num_used_blocks == 0
 
 
 def test_seeded_n_is_reproducible_and_siblings_differ(llm):
@@ -52,20 +52,20 @@ def test_seeded_n_is_reproducible_and_siblings_differ(llm):
 
 def test_prompt_blocks_are_held_once_while_the_n_sequences_run(llm):
     prompt = mixed_prompts(500, lengths=(53,), seed=8)[0]          # 3 full blocks of 16 + 5 tokens
-    bm = llm.block_manager
-    request_id = llm.add_request(prompt, SamplingParams(n=4, temperature=1.0, seed=2, max_tokens=20,
+    bm = llm.engine.core.scheduler.block_manager
+    request_id = llm.engine.add_request(prompt, SamplingParams(n=4, temperature=1.0, seed=2, max_tokens=20,
                                                         ignore_eos=True))
     for _ in range(4):
-        llm.step()
-    group = llm.requests[request_id].group
+        llm.engine.step()
+    group = llm.engine.core.requests[request_id].group
     assert len(group) == 4
     tables = [seq.block_table for seq in group]
     assert all(table[:3] == tables[0][:3] for table in tables)            # full prompt blocks shared
     assert all(bm.blocks[b].ref_count == 4 for b in tables[0][:3])
     assert len({table[3] for table in tables}) == 4                        # the partial block copied
     assert bm.num_used_blocks == 3 + 4
-    while not llm.is_finished():
-        llm.step()
+    while not llm.engine.is_finished():
+        llm.engine.step()
     assert bm.num_used_blocks == 0 and all(b.ref_count == 0 for b in bm.blocks)
 
 
@@ -79,14 +79,14 @@ def test_forked_kv_is_right_after_copy_on_write(llm, hf_greedy):
 
 
 def test_abort_frees_every_sequence_of_the_request(llm):
-    request_id = llm.add_request(PROMPTS[2], SamplingParams(n=3, temperature=1.0, max_tokens=50, ignore_eos=True))
+    request_id = llm.engine.add_request(PROMPTS[2], SamplingParams(n=3, temperature=1.0, max_tokens=50, ignore_eos=True))
     for _ in range(4):
-        llm.step()
-    assert len(llm.requests[request_id].group) == 3 and llm.block_manager.num_used_blocks > 0
-    assert llm.abort(request_id)
-    assert llm.block_manager.num_used_blocks == 0
-    while not llm.is_finished():
-        assert llm.step() == []
+        llm.engine.step()
+    assert len(llm.engine.core.requests[request_id].group) == 3 and llm.engine.core.scheduler.block_manager.num_used_blocks > 0
+    assert llm.engine.abort(request_id)
+    assert llm.engine.core.scheduler.block_manager.num_used_blocks == 0
+    while not llm.engine.is_finished():
+        assert llm.engine.step() == []
 
 
 def test_n_under_preemption_pressure(model_paths):
@@ -96,9 +96,9 @@ def test_n_under_preemption_pressure(model_paths):
     roomy = LLM(path, kvcache_block_size=16).generate(prompts, params, use_tqdm=False)
     tight = LLM(path, kvcache_block_size=16, num_kvcache_blocks=8, max_model_len=128)
     squeezed = tight.generate(prompts, params, use_tqdm=False)
-    assert tight.scheduler.num_preemptions > 0
+    assert tight.engine.core.scheduler.num_preemptions > 0
     assert [completions(o) for o in squeezed] == [completions(o) for o in roomy]
-    assert tight.block_manager.num_used_blocks == 0
+    assert tight.engine.core.scheduler.block_manager.num_used_blocks == 0
 
 
 # ---- beam search -------------------------------------------------------------------------------
@@ -149,23 +149,23 @@ def test_beam_search_equals_the_reference(model_paths, eos_beam_model, hf_model_
     path, eos_ids = eos_beam_model
     hf_greedy(model_paths["gqa_tied"], [5], 1)               # loads the transformers model (same weights)
     model = hf_model_cache[model_paths["gqa_tied"]]
-    engine = LLM(path, kvcache_block_size=16)
+    beams = LLM(path, kvcache_block_size=16)
     prompts = PROMPTS[:3]
     params = BeamSearchParams(beam_width=width, max_tokens=8, ignore_eos=not with_eos, length_penalty=length_penalty)
-    outputs = engine.beam_search(prompts, params)
+    outputs = beams.beam_search(prompts, params)
     reasons = []
     for prompt, out in zip(prompts, outputs):
         expected = reference_beam_search(model, prompt, width, 8, eos_ids, not with_eos, length_penalty)
         assert [s["token_ids"] for s in out["sequences"]] == [tokens for tokens, _ in expected]
         for got, (_, cum) in zip(out["sequences"], expected):
             assert got["cum_logprob"] == pytest.approx(cum, abs=1e-3)
-            assert got["text"] == engine.tokenizer.decode(got["token_ids"], skip_special_tokens=True)
+            assert got["text"] == beams.tokenizer.decode(got["token_ids"], skip_special_tokens=True)
         reasons += [s["finish_reason"] for s in out["sequences"]]
     if with_eos and width > 1:
         assert "stop" in reasons                              # EOS endings were exercised
     if width == 1 and not with_eos:
         assert [o["sequences"][0]["token_ids"] for o in outputs] == [hf_greedy(path, p, 8) for p in prompts]
-    assert engine.block_manager.num_used_blocks == 0
+    assert beams.engine.core.scheduler.block_manager.num_used_blocks == 0
 
 
 def test_beam_search_under_preemption_pressure(model_paths):
@@ -175,10 +175,10 @@ def test_beam_search_under_preemption_pressure(model_paths):
     roomy = LLM(path, kvcache_block_size=16).beam_search(prompts, params)
     tight = LLM(path, kvcache_block_size=16, num_kvcache_blocks=8, max_model_len=128)
     squeezed = tight.beam_search(prompts, params)
-    assert tight.scheduler.num_preemptions > 0
+    assert tight.engine.core.scheduler.num_preemptions > 0
     assert [[s["token_ids"] for s in o["sequences"]] for o in squeezed] == \
         [[s["token_ids"] for s in o["sequences"]] for o in roomy]
-    assert tight.block_manager.num_used_blocks == 0
+    assert tight.engine.core.scheduler.block_manager.num_used_blocks == 0
 
 
 def test_beam_search_params_are_checked(llm):

@@ -2,7 +2,7 @@
 against transformers running the same dequantized weights in float32; tensor parallelism; layers
 left 16-bit; errors named before any weight is read; memory; the trained demo model's accuracy.
 
-The checkpoints are written by nanovllm/utils/quantized_checkpoint.py (see tests/test_quant_formats.py
+The checkpoints are written by nanovllm/checkpoints/quantized_checkpoint.py (see tests/test_quant_formats.py
 for where each detail of the published layouts was checked)."""
 import json
 import os
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.quantized_checkpoint import (write_awq_checkpoint, write_dequantized_checkpoint,
+from nanovllm.checkpoints.quantized_checkpoint import (write_awq_checkpoint, write_dequantized_checkpoint,
                                                  write_gptq_checkpoint)
-from nanovllm.utils.random_checkpoint import write_tiny_model
+from nanovllm.checkpoints.random_checkpoint import write_tiny_model
 from tests.conftest import mixed_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -82,7 +82,7 @@ def test_two_ranks_give_the_same_tokens_as_one(quantized, fmt):
 def test_layers_stay_packed_and_the_ignored_layer_stays_16_bit(quantized):
     path, _ = quantized("qwen3", "awq_g64_layer1_16bit")
     with LLM(path, kvcache_block_size=16, device="cpu") as llm:
-        layers = llm.model_runner.model.model.layers
+        layers = llm.engine.core.executor.driver.model.model.layers
         assert layers[0].mlp.gate_up_proj.qweight.dtype == torch.int32
         assert layers[0].self_attn.qkv_proj.qweight.shape == (64 // 8, 64 + 2 * 32)   # rows packed, as the GEMM reads
         assert layers[1].mlp.gate_up_proj.weight.dtype == torch.float32
@@ -96,9 +96,9 @@ def test_four_bit_weights_take_about_a_quarter_of_the_bytes(tmp_path):
 
     def linear_bytes(path):
         with LLM(path, kvcache_block_size=16, device="cpu", dtype="bfloat16", num_kvcache_blocks=64) as llm:
-            model = llm.model_runner.model
+            model = llm.engine.core.executor.driver.model
             total = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "proj" in name)
-            return total, llm.model_runner.weight_bytes
+            return total, llm.engine.core.executor.driver.weight_bytes
     (quantized_linear, quantized_all), (full_linear, full_all) = linear_bytes(awq), linear_bytes(model_path())
     # 4 bits per weight plus a 16-bit scale and zero per 128 weights: 0.25 + 4 / 128 / 2 = 0.266
     assert 0.25 < quantized_linear / full_linear < 0.27
@@ -111,7 +111,7 @@ def test_random_weights_of_a_16_bit_shape_load_in_four_bits(tmp_path, method):
     path = write_tiny_model(str(tmp_path), seed=1, hidden_size=128, intermediate_size=256, head_dim=32)
     os.remove(os.path.join(path, "model.safetensors"))
     with LLM(path, device="cpu", load_format="dummy", quantization=method, kvcache_block_size=16) as llm:
-        layer = llm.model_runner.model.model.layers[0]
+        layer = llm.engine.core.executor.driver.model.model.layers[0]
         assert layer.mlp.gate_up_proj.qweight.shape == (128 // 8, 2 * 256)
         assert layer.mlp.down_proj.scales.shape == (256 // 128, 128)
         assert llm.config.model_config.quantization.name == method

@@ -27,7 +27,7 @@ from nanovllm.quantization.int_packing import (AWQ_PACK_ORDER, awq_for_gemm, deq
                                                gptq_for_gemm, pack_columns, pack_rows, unpack_columns,
                                                unpack_rows)
 from nanovllm.kernels.int_gemm import dequantize_packed
-from nanovllm.utils.quantized_checkpoint import (act_order, quantize_awq, quantize_gptq, write_awq_checkpoint,
+from nanovllm.checkpoints.quantized_checkpoint import (act_order, quantize_awq, quantize_gptq, write_awq_checkpoint,
                                                  write_dequantized_checkpoint, write_gptq_checkpoint)
 
 
@@ -123,7 +123,7 @@ def test_gemm_layout_matches_the_dequantizers():
 
 @pytest.fixture(scope="module")
 def source_model(tmp_path_factory):
-    from nanovllm.utils.random_checkpoint import write_tiny_model
+    from nanovllm.checkpoints.random_checkpoint import write_tiny_model
     return write_tiny_model(str(tmp_path_factory.mktemp("dense")), seed=3)
 
 

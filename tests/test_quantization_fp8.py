@@ -1,7 +1,7 @@
 """FP8 checkpoints (and online FP8) through the whole engine on the CPU, judged against transformers
 running the same weights dequantized, in float32.
 
-The checkpoints are written offline by nanovllm/utils/fp8_checkpoint.py in the published layouts.
+The checkpoints are written offline by nanovllm/checkpoints/fp8_checkpoint.py in the published layouts.
 Where each detail was checked:
 - "fp8" block: vLLM vllm/model_executor/layers/quantization/fp8.py (Fp8Config.from_config reads
   `activation_scheme`, `ignored_layers`, `weight_block_size`; Fp8LinearMethod.create_weights
@@ -34,9 +34,9 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausal
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
-from nanovllm.kernels.fp8 import FP8_DTYPE
-from nanovllm.utils.fp8_checkpoint import write_fp8_checkpoint
-from nanovllm.utils.random_checkpoint import write_demo_tokenizer, write_tiny_model
+from nanovllm.kernels.fp8_primitives import FP8_DTYPE
+from nanovllm.checkpoints.fp8_checkpoint import write_fp8_checkpoint
+from nanovllm.checkpoints.random_checkpoint import write_demo_tokenizer, write_tiny_model
 from tests.conftest import mixed_prompts
 
 NUM_TOKENS = 24
@@ -88,7 +88,7 @@ def generate(path: str, prompts=PROMPTS, **engine_args) -> tuple[list[dict], str
     log = io.StringIO()
     with contextlib.redirect_stdout(log), LLM(path, kvcache_block_size=16, **engine_args) as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        layers = {name: p.dtype for name, p in llm.model_runner.model.named_parameters()}
+        layers = {name: p.dtype for name, p in llm.engine.core.executor.driver.model.named_parameters()}
     return outputs, log.getvalue(), layers
 
 

@@ -15,13 +15,13 @@ import torch
 import nanovllm.models.blocks as blocks
 import nanovllm.quantization.fp8 as fp8_methods
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.sequence import Sequence
 from nanovllm.kernels.fp8_gemv import GEMV_MAX_ROWS
 from nanovllm.kernels.fp8_linear import QuantizedActivation
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.utils.fp8_checkpoint import write_fp8_checkpoint
-from nanovllm.utils.random_checkpoint import write_tiny_model
+from nanovllm.checkpoints.fp8_checkpoint import write_fp8_checkpoint
+from nanovllm.checkpoints.random_checkpoint import write_tiny_model
 from tests.conftest import mixed_prompts
 from tests.test_quantization_fp8 import write_tiny_moe
 
@@ -73,15 +73,15 @@ def linear_inputs(monkeypatch) -> list:
 def step_logits(llm: LLM) -> tuple[torch.Tensor, torch.Tensor]:
     """The logits of a prefill step over PROMPTS and of the decode step after it."""
     for prompt in PROMPTS:
-        llm.scheduler.add(Sequence(prompt, SamplingParams(temperature=0, max_tokens=4)))
-    runner = llm.model_runner
-    prefill = llm.scheduler.schedule()
+        llm.engine.core.scheduler.add(Sequence(prompt, SamplingParams(temperature=0, max_tokens=4)))
+    runner = llm.engine.core.executor
+    prefill = llm.engine.core.scheduler.schedule()
     assert prefill.is_prefill and len(prefill.seqs) == len(PROMPTS)
-    first = runner.execute(runner.prepare_step(prefill))
-    llm.scheduler.fill(llm.scheduler.advance(prefill), first.argmax(-1).tolist())
-    decode = llm.scheduler.schedule()
+    first = runner.driver.execute(runner.prepare_step(prefill))
+    llm.engine.core.scheduler.fill(llm.engine.core.scheduler.advance(prefill), first.argmax(-1).tolist())
+    decode = llm.engine.core.scheduler.schedule()
     assert not decode.is_prefill
-    return first.cpu(), runner.execute(runner.prepare_step(decode)).cpu()
+    return first.cpu(), runner.driver.execute(runner.prepare_step(decode)).cpu()
 
 
 def run(path: str, fused: bool, **engine_args) -> tuple[dict, list[list[int]], tuple[torch.Tensor, torch.Tensor]]:
@@ -91,7 +91,7 @@ def run(path: str, fused: bool, **engine_args) -> tuple[dict, list[list[int]], t
             patch.setattr(blocks, "fuse_input_quantization", lambda producer, consumer: None)
         llm = LLM(path, kvcache_block_size=16, **engine_args)
     with llm:
-        modules = dict(llm.model_runner.model.named_modules())
+        modules = dict(llm.engine.core.executor.driver.model.named_modules())
         groups = {name: modules[name].quant_group_size for name in PRODUCERS + ("model.norm",) if name in modules}
         tokens = [out["token_ids"] for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         logits = step_logits(llm)

@@ -13,7 +13,7 @@ import torch
 from nanovllm import SamplingParams
 from nanovllm.kernels.sampling import CHUNK, gumbel_argmax, gumbel_argmax_ref
 from nanovllm.kernels.triton_compat import HAS_TRITON
-from nanovllm.layers.sampler import Sampler, SamplingTensors, filter_probs
+from nanovllm.sample.sampler import Sampler, SamplingTensors, filter_probs
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 KERNEL_RUNS = HAS_TRITON and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")

@@ -9,9 +9,9 @@ request's output must equal a plain loop over that function.
 import random
 from types import SimpleNamespace
 
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.scheduler import Scheduler
+from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 EOS = 1

@@ -298,7 +298,7 @@ def test_an_n_request_holds_its_prompt_once(path, offline):
 
     def measured_step_updates(*args):
         updates = step_updates(*args)
-        used.append(llm.engine.block_manager.num_used_blocks)
+        used.append(llm.engine.core.scheduler.block_manager.num_used_blocks)
         return updates
 
     llm.engine.step_updates = measured_step_updates     # set while the thread idles, before any request
@@ -324,7 +324,7 @@ def test_an_n_request_holds_its_prompt_once(path, offline):
 
     try:
         (_, one_peak, one_prompt), (texts, four_peak, four_prompt) = asyncio.run(asyncio.wait_for(main(), 120))
-        assert llm.engine.block_manager.num_used_blocks == 0
+        assert llm.engine.core.scheduler.block_manager.num_used_blocks == 0
     finally:
         llm.shutdown()
     expected = offline.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=20,

@@ -14,9 +14,9 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
-from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.sample.sampler import Sampler, SamplingTensors
 from nanovllm.spec_decode.ngram_proposer import NgramProposer
-from nanovllm.spec_decode.rejection_sampler import VerifyTensors, rejection_sample
+from nanovllm.sample.rejection_sampler import VerifyTensors, rejection_sample
 from tests.conftest import mixed_prompts
 from tests.test_sampler import LOGITS_8, distinct_seeds, reference_probs
 
@@ -76,17 +76,25 @@ class FixedProposer:
 def test_scheduler_reserves_slots_for_proposals_and_returns_the_unused():
     from types import SimpleNamespace
 
-    from nanovllm.engine.block_manager import BlockManager
-    from nanovllm.engine.scheduler import Scheduler
-    from nanovllm.engine.sequence import Sequence
+    from nanovllm.core.block_manager import BlockManager
+    from nanovllm.core.scheduler import Scheduler
+    from nanovllm.core.sequence import Sequence
     config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, eos_token_ids=(1,))
-    sched = Scheduler(config, BlockManager(8, 4), FixedProposer([7, 8, 9, 10, 11]), num_speculative_tokens=5)
+    sched = Scheduler(config, BlockManager(8, 4), num_speculative_tokens=5)
+    proposer = FixedProposer([7, 8, 9, 10, 11])
+
+    def schedule_with_drafts():      # as the engine core does: the proposer fills what the scheduler allows
+        batch = sched.schedule()
+        if not batch.is_prefill and sched.speculates():
+            sched.add_drafts(batch, proposer.propose(batch.seqs, sched.draft_lengths(batch)))
+        return batch
+
     seq = Sequence([3, 4, 5], SamplingParams(temperature=0, max_tokens=20))
     sched.add(seq)
     prefill = sched.schedule()
     sched.advance(prefill)
     sched.fill(prefill.seqs, [6])                       # 4 tokens, 3 computed: one block
-    batch = sched.schedule()
+    batch = schedule_with_drafts()
     assert batch.draft_token_ids == [[7, 8, 9, 10, 11]] and batch.num_new_tokens == [6]
     assert len(seq.block_table) == 3                    # positions up to 8 (3 + 1 + 5 - 1) reserved
     sched.advance(batch)
@@ -99,7 +107,7 @@ def test_scheduler_reserves_slots_for_proposals_and_returns_the_unused():
     # 4 tokens made of max_tokens 7: 2 proposals (and the token after them) at most; a stop id among
     # a step's tokens ends the sequence there
     seq.sampling_params.max_tokens, seq.sampling_params.stop_token_ids = 7, [8]
-    batch = sched.schedule()
+    batch = schedule_with_drafts()
     assert batch.draft_token_ids == [[7, 8]]
     sched.advance(batch)
     sched.fill_verified([seq], [[7, 8, 9]], [[None] * 3], [2], [2], lambda s: None)
@@ -274,8 +282,8 @@ def spec_counts(llm: LLM) -> tuple[int, int, int]:
 
 
 def assert_no_blocks_held(llm: LLM) -> None:
-    assert llm.is_finished() and llm.block_manager.num_used_blocks == 0
-    assert all(b.ref_count == 0 for b in llm.block_manager.blocks)
+    assert llm.engine.is_finished() and llm.engine.core.scheduler.block_manager.num_used_blocks == 0
+    assert all(b.ref_count == 0 for b in llm.engine.core.scheduler.block_manager.blocks)
 
 
 def test_greedy_outputs_and_logprobs_equal_the_plain_engine(base, spec):
@@ -336,7 +344,7 @@ def test_chunked_prefill_and_preemption_keep_outputs(base, eos_model, proposer):
     prompts = [p * 3 for p in mixed_prompts(500, lengths=(15, 20, 23, 14, 18, 13), seed=9)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
     assert_same_outputs(base.generate(prompts, params, use_tqdm=False), tight.generate(prompts, params, use_tqdm=False))
-    assert tight.scheduler.num_preemptions > 0 and spec_counts(tight)[2] > 0
+    assert tight.engine.core.scheduler.num_preemptions > 0 and spec_counts(tight)[2] > 0
     assert_no_blocks_held(tight)
     tight.shutdown()
 
@@ -358,10 +366,10 @@ def test_prefix_hits_and_n_greater_than_one(base, spec):
 
 def test_streaming_delivers_several_tokens_a_step(base, spec):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=0)
-    request_id = spec.add_request(LOOP_PROMPT, params)
+    request_id = spec.engine.add_request(LOOP_PROMPT, params)
     pieces, text, logprobs, output = [], "", [], None
     while output is None:
-        for update in spec.step_updates():
+        for update in spec.engine.step_updates():
             assert update.request_id == request_id
             pieces.append(update.new_token_ids)
             text += update.delta_text
@@ -381,15 +389,15 @@ def test_seeded_sampling_is_reproducible(spec):
 
 def test_abort_and_interrupt_leave_no_block(base, spec):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    ids = [spec.add_request(p, params) for p in (LOOP_PROMPT, EOS_PROMPT)]
+    ids = [spec.engine.add_request(p, params) for p in (LOOP_PROMPT, EOS_PROMPT)]
     for _ in range(4):
-        spec.step()
-    assert spec.block_manager.num_used_blocks > 0
+        spec.engine.step()
+    assert spec.engine.core.scheduler.block_manager.num_used_blocks > 0
     for request_id in ids:
-        assert spec.abort(request_id)
+        assert spec.engine.abort(request_id)
     assert_no_blocks_held(spec)
     # Ctrl-C while the host waits for a verify step: the call's requests are gone, the engine works
-    collect = spec.model_runner.collect_verified
+    collect = spec.engine.core.executor.collect_verified
     calls = [0]
 
     def interrupted(step):
@@ -397,12 +405,12 @@ def test_abort_and_interrupt_leave_no_block(base, spec):
         if calls[0] == 2:
             raise KeyboardInterrupt
         return collect(step)
-    spec.model_runner.collect_verified = interrupted
+    spec.engine.core.executor.collect_verified = interrupted
     try:
         with pytest.raises(KeyboardInterrupt):
             spec.generate([LOOP_PROMPT, EOS_PROMPT], params, use_tqdm=False)
     finally:
-        spec.model_runner.collect_verified = collect
+        spec.engine.core.executor.collect_verified = collect
     assert calls[0] == 2
     assert_no_blocks_held(spec)
     assert_same_outputs(base.generate([LOOP_PROMPT], params, use_tqdm=False),
@@ -436,19 +444,19 @@ def test_sampled_outputs_follow_the_plain_engines_distribution(base, spec, eos_m
     from transformers import AutoModelForCausalLM
     num_requests, num_tokens = 192, 3
     # every request verifies proposals, however many run at once (the engine steps aside above a few)
-    monkeypatch.setattr("nanovllm.engine.scheduler.SPECULATION_MAX_RUNNING", num_requests)
+    monkeypatch.setattr("nanovllm.core.scheduler.SPECULATION_MAX_RUNNING", num_requests)
     params = [SamplingParams(temperature=1.0, top_k=4, top_p=0.95, seed=s, max_tokens=num_tokens, ignore_eos=True)
               for s in range(2 * num_requests)]
     plain = [o["token_ids"] for o in base.generate([LOOP_PROMPT] * 2 * num_requests, params, use_tqdm=False)]
-    proposer = spec.scheduler.proposer
-    spec.scheduler.proposer = GreedyProposer(AutoModelForCausalLM.from_pretrained(eos_model[0]).eval())
+    proposer = spec.engine.core.proposer
+    spec.engine.core.proposer = GreedyProposer(AutoModelForCausalLM.from_pretrained(eos_model[0]).eval())
     try:
         before = spec_counts(spec)
         speculated = [o["token_ids"] for o in spec.generate([LOOP_PROMPT] * num_requests, params[:num_requests],
                                                             use_tqdm=False)]
         drafts, draft_tokens, accepted = (a - b for a, b in zip(spec_counts(spec), before))
     finally:
-        spec.scheduler.proposer = proposer
+        spec.engine.core.proposer = proposer
     assert drafts >= num_requests and 0.1 * draft_tokens < accepted < 0.9 * draft_tokens
     assert speculated == plain[:num_requests]
     for position in range(num_tokens):
@@ -546,7 +554,32 @@ def test_draft_model_keeps_greedy_outputs(base, eos_model, model_paths):
         drafts, draft_tokens, accepted = spec_counts(llm)
         assert drafts >= len(prompts) and accepted >= least_accepted * draft_tokens
         assert_no_blocks_held(llm)
+        assert_no_draft_shadows(llm)         # freed as their sequences finished, not at the next draft
         llm.shutdown()
+
+
+def assert_no_draft_shadows(llm: LLM) -> None:
+    proposer = llm.engine.core.proposer
+    assert not proposer.shadows and proposer.block_manager.num_used_blocks == 0
+
+
+def test_an_aborted_sequence_frees_its_draft_shadow_at_once(eos_model, model_paths):
+    llm = LLM(eos_model[0], **ENGINE, speculative_config={"model": model_paths["mha_untied"],
+                                                         "num_speculative_tokens": 3})
+    engine, params = llm.engine, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kept, aborted = (engine.add_request(prompt, params) for prompt in mixed_prompts(500, lengths=(12, 30), seed=3))
+    while len(engine.core.proposer.shadows) < 2:        # both sequences have drafted
+        engine.step()
+    held = engine.core.proposer.block_manager.num_used_blocks
+    engine.abort(aborted)
+    assert len(engine.core.proposer.shadows) == 1 and engine.core.proposer.block_manager.num_used_blocks < held
+    outputs = []
+    while not engine.is_finished():
+        outputs += engine.step()
+    assert [o["request_id"] for o in outputs] == [kept]
+    assert_no_draft_shadows(llm)
+    assert_no_blocks_held(llm)
+    llm.shutdown()
 
 
 def test_beam_search_runs_without_speculation(base, spec):

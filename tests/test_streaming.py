@@ -73,11 +73,11 @@ def test_step_updates_stream_what_generate_returns(model_paths, only_r1_due):
     stop = next(full[i:i + 3] for i in range(len(full) // 2, len(full) - 3)
                 if full[i:i + 3].strip() and full.find(full[i:i + 3]) == i)
     params = [GREEDY, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]), GREEDY]
-    ids = [llm.add_request(p, sp, request_id=f"r{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+    ids = [llm.engine.add_request(p, sp, request_id=f"r{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
     texts, tokens, finals = {i: "" for i in ids}, {i: [] for i in ids}, {}
     num_updates = {i: 0 for i in ids}
-    while not llm.is_finished():
-        for update in llm.step_updates(due):
+    while not llm.engine.is_finished():
+        for update in llm.engine.step_updates(due):
             num_updates[update.request_id] += 1
             assert update.request_id not in finals
             texts[update.request_id] += update.delta_text
@@ -97,7 +97,7 @@ def test_step_updates_stream_what_generate_returns(model_paths, only_r1_due):
     cut = finals["r1"]
     assert cut.finish_reason == "stop" and texts["r1"] == full[:full.find(stop)] == cut.output["text"]
     assert tokens["r1"] == expected[1]["token_ids"][:len(tokens["r1"])]
-    assert llm.block_manager.num_used_blocks == 0
+    assert llm.engine.core.scheduler.block_manager.num_used_blocks == 0
 
 
 def test_step_updates_carry_each_completions_new_logprobs(model_paths):
@@ -107,12 +107,12 @@ def test_step_updates_carry_each_completions_new_logprobs(model_paths):
     prompt = mixed_prompts(llm.config.hf_config.vocab_size, lengths=(20,), seed=5)[0]
     params = SamplingParams(n=2, temperature=1.0, seed=8, max_tokens=12, ignore_eos=True, logprobs=3)
     expected = llm.generate([prompt], params, use_tqdm=False)[0]
-    llm.add_request(prompt, params, request_id="n2")
-    llm.add_request(prompt, GREEDY, request_id="plain")
+    llm.engine.add_request(prompt, params, request_id="n2")
+    llm.engine.add_request(prompt, GREEDY, request_id="plain")
     tokens, logprobs, outputs, steps = {0: [], 1: []}, {0: [], 1: []}, {}, 0
-    while not llm.is_finished():
+    while not llm.engine.is_finished():
         steps += 1
-        for update in llm.step_updates():
+        for update in llm.engine.step_updates():
             assert update.request_id not in outputs                 # nothing after the request's output
             if update.output is not None:
                 outputs[update.request_id] = update.output

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.sequence import Sequence
 from nanovllm.engine_loop import ACCEPTED, OUTPUT, REFUSED, AddRequest, EngineLoop, Stop
 from tests.conftest import mixed_prompts
 from tests.test_interrupts import Injected, assert_consistent, fail_on_call, restore
@@ -89,20 +89,20 @@ def parse_ebnf(text: str) -> bool:
 
 
 def assert_idle(llm) -> None:
-    while not llm.is_finished():       # a step may still be in flight for sequences that stopped
-        assert llm.step() == []
+    while not llm.engine.is_finished():       # a step may still be in flight for sequences that stopped
+        assert llm.engine.step() == []
     assert_consistent(llm)
-    assert llm.block_manager.num_used_blocks == 0
+    assert llm.engine.core.scheduler.block_manager.num_used_blocks == 0
 
 
 def test_json_schema_answers_validate_over_seeds_and_temperatures(llm):
-    before = llm.scheduler.num_preemptions
+    before = llm.engine.core.scheduler.num_preemptions
     outputs = llm.generate(prompts(10), [params(JSON, i) for i in range(10)], use_tqdm=False)
     values = [assert_valid_json(out) for out in outputs]
     assert len({json.dumps(v, sort_keys=True) for v in values}) > 5      # sampled, not one answer
     for out in outputs:     # the grammar ends with the stop token, which the text does not show
         assert out["token_ids"][-1] in llm.config.eos_token_ids
-    assert llm.scheduler.num_preemptions > before
+    assert llm.engine.core.scheduler.num_preemptions > before
     assert_idle(llm)
 
 
@@ -197,7 +197,7 @@ def test_a_grammar_that_cannot_compile_is_a_value_error_naming_the_field(llm):
         with pytest.raises(ValueError, match=rf"structured_outputs\.{field}\b"):
             llm.generate(prompts(2), [good, SamplingParams(structured_outputs=structured)], use_tqdm=False)
         with pytest.raises(ValueError, match=rf"structured_outputs\.{field}\b"):
-            llm.add_request(prompts(1)[0], SamplingParams(structured_outputs=structured))
+            llm.engine.add_request(prompts(1)[0], SamplingParams(structured_outputs=structured))
         assert_idle(llm)                              # nothing was queued, no block taken
     assert_valid_json(llm.generate(prompts(1), good, use_tqdm=False)[0])
     assert_idle(llm)
@@ -207,7 +207,7 @@ def test_constrained_steps_sample_after_the_step_before_is_collected(llm, monkey
     """The overlapped loop: a constrained step's model runs before the host waits for the step in
     flight, its sampling only after (its mask needs that step's token). Unconstrained batches
     sample as they launch, with no mask."""
-    runner, calls = llm.model_runner, []
+    runner, calls = llm.engine.core.executor, []
     for name in ("launch", "collect", "sample"):
         original = getattr(runner, name)
 
@@ -230,10 +230,10 @@ def test_interrupted_steps_leave_every_matcher_consistent(llm, target, k, after,
     """A constrained request of another caller lives through an interrupted generate (its pending
     token dropped, its sequence recomputed): its matcher has accepted exactly its collected tokens,
     so its answer still validates; the engine then serves constrained requests as before."""
-    survivor = llm.add_request(prompts(1, seed=7)[0], params(JSON, 3))
+    survivor = llm.engine.add_request(prompts(1, seed=7)[0], params(JSON, 3))
     for _ in range(4):
-        llm.step()
-    obj = llm.scheduler if target == "fill" else llm.model_runner
+        llm.engine.step()
+    obj = llm.engine.core.scheduler if target == "fill" else llm.engine.core.executor
     fail_on_call(obj, target, k, error, after)
     try:
         with pytest.raises(error):
@@ -242,8 +242,8 @@ def test_interrupted_steps_leave_every_matcher_consistent(llm, target, k, after,
         restore(obj, target)
     assert_consistent(llm)
     finished = []
-    while not llm.is_finished():
-        finished += llm.step()
+    while not llm.engine.is_finished():
+        finished += llm.engine.step()
     assert [out["request_id"] for out in finished] == [survivor]
     assert_valid_json(finished[0])
     assert_idle(llm)
@@ -288,8 +288,8 @@ def test_structured_requests_cross_the_engine_process_boundary(llm):
     def receive(block):
         if commands:
             return commands.pop()
-        return [Stop()] if llm.is_finished() else []
-    EngineLoop(llm, receive, lambda message: items.extend(message[0])).run()
+        return [Stop()] if llm.engine.is_finished() else []
+    EngineLoop(llm.engine, receive, lambda message: items.extend(message[0])).run()
     assert (ACCEPTED, "good") in items
     refused = [item for item in items if item[0] == REFUSED]
     assert refused[0][1] == "bad" and "structured_outputs.regex" in str(refused[0][2])
@@ -302,7 +302,7 @@ def test_structured_requests_cross_the_engine_process_boundary(llm):
 def test_utf8_guard_allows_exactly_the_continuations_python_decodes(llm):
     """After a lone lead byte E0, ED, F0 or F4, a continuation byte is allowed exactly when the two
     can begin a valid UTF-8 sequence (judged by Python's decoder)."""
-    manager = llm._structured_output_manager()
+    manager = llm.engine._grammars()
     guard, vocab = manager.utf8_guard, manager.tokenizer_info.decoded_vocab
     singles = {token[0]: token_id for token_id, token in enumerate(vocab) if len(token) == 1 and token[0] >= 0x80}
     for lead, allowed in guard.allowed_after.items():
@@ -326,7 +326,7 @@ def test_masks_stay_exact_over_steps_with_changing_rows(llm):
     before each step, with constrained and unconstrained sequences joining, leaving, reordering and
     ending their grammars, each step's masks are still exactly what a fresh matcher fed the same
     tokens fills, for the rows they name; the matchers end exactly when xgrammar says they do."""
-    manager = llm._structured_output_manager()
+    manager = llm.engine._grammars()
     xgr, vocab_size = manager.xgr, manager.vocab_size
     kinds = [JSON, StructuredOutputsParams(regex=REGEX), StructuredOutputsParams(choice=CHOICES),
              StructuredOutputsParams(grammar=EBNF), None]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import write_tiny_model
+from nanovllm.checkpoints.random_checkpoint import write_tiny_model
 from tests.conftest import mixed_prompts
 
 pytestmark = pytest.mark.skipif(
@@ -43,14 +43,14 @@ def test_kv_head_replicated_when_fewer_kv_heads_than_ranks(tmp_path, hf_greedy):
     path = write_tiny_model(str(tmp_path), seed=3, num_attention_heads=4, num_key_value_heads=1)
     prompts = mixed_prompts(500, lengths=(3, 30, 12))
     with LLM(path, kvcache_block_size=16, tensor_parallel_size=2) as llm:
-        assert llm.model_runner.kv_cache.tensor.shape[-2] == 1    # each rank keeps the one KV head
+        assert llm.engine.core.executor.driver.kv_cache.tensor.shape[-2] == 1    # each rank keeps the one KV head
         out = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert out == [hf_greedy(path, p, 16) for p in prompts]
 
 
 def test_dead_worker_fails_fast_and_shutdown_leaves_no_processes(model_paths):
     llm = LLM(model_paths["gqa_tied"], kvcache_block_size=16, tensor_parallel_size=2)
-    worker = llm.model_runner.workers[0].process
+    worker = llm.engine.core.executor.processes[0].process
     long_run = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     threading.Timer(1.0, worker.kill).start()          # dies in the middle of generate
     start = time.monotonic()
@@ -70,7 +70,7 @@ def test_second_engine_after_shutdown(model_paths, hf_greedy):
     prompt = mixed_prompts(500, lengths=(20,))[0]
     for _ in range(2):
         with LLM(path, kvcache_block_size=16, tensor_parallel_size=2) as llm:
-            pids = [w.process.pid for w in llm.model_runner.workers]
+            pids = [w.process.pid for w in llm.engine.core.executor.processes]
             assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(path, prompt, 16)
         assert not mp.active_children()
         for pid in pids:
@@ -100,9 +100,9 @@ def test_interrupts_on_the_tensor_parallel_path(model_paths, hf_greedy, monkeypa
         for point, error in [("scheduling", KeyboardInterrupt), ("forward pass", Injected),
                              ("forward pass", KeyboardInterrupt), ("waiting for tokens", KeyboardInterrupt),
                              ("stop strings", Injected), ("progress bar", KeyboardInterrupt)]:
-            workers = [w.process.pid for w in llm.model_runner.workers]
+            workers = [w.process.pid for w in llm.engine.core.executor.processes]
             if point == "progress bar":
-                monkeypatch.setattr("nanovllm.engine.llm_engine.tqdm", failing_progress_bar(1, error))
+                monkeypatch.setattr("nanovllm.llm.tqdm", failing_progress_bar(1, error))
             else:
                 obj, name, k, after = injection_points(llm)[point]
                 fail_on_call(obj, name, k, error, after)
@@ -114,10 +114,10 @@ def test_interrupts_on_the_tensor_parallel_path(model_paths, hf_greedy, monkeypa
                     monkeypatch.undo()
                 else:
                     restore(obj, name)
-            restarted = workers != [w.process.pid for w in llm.model_runner.workers]
+            restarted = workers != [w.process.pid for w in llm.engine.core.executor.processes]
             assert restarted == (point == "forward pass"), point
             assert_consistent(llm)
-            assert llm.is_finished() and llm.block_manager.num_used_blocks == 0
+            assert llm.engine.is_finished() and llm.engine.core.scheduler.block_manager.num_used_blocks == 0
             assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected, point
         # a real Ctrl-C, wherever it lands
         generate_until_ctrl_c(llm, prompts * 4, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True), 0.3)

@@ -7,12 +7,12 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention import current_metadata
-from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.scheduler import ScheduledBatch
+from nanovllm.core.sequence import Sequence
 from nanovllm.layers.attention import Attention
 from nanovllm.worker.kv_cache import KVCache
-from nanovllm.worker.sampling_inputs import build_sampling_tensors
-from nanovllm.worker.step_inputs import build_step_inputs, pending_token_marker
+from nanovllm.executor.sampling_inputs import build_sampling_tensors
+from nanovllm.executor.step_inputs import build_step_inputs, pending_token_marker
 from tests.conftest import mixed_prompts
 
 
@@ -88,7 +88,7 @@ def test_attention_without_a_backend_fails_loudly(model_paths, hf_greedy):
     prompt = mixed_prompts(500, lengths=(20,))[0]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"] == hf_greedy(llm.config.model, prompt, 4)
-    for layer in llm.model_runner.attention_layers:
+    for layer in llm.engine.core.executor.driver.attention_layers:
         layer.backend = None
     with pytest.raises(RuntimeError, match="no backend"):
         llm.generate([prompt], params, use_tqdm=False)

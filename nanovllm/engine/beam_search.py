@@ -12,7 +12,7 @@ beam's candidates, so a beam that has proposed waits (computes nothing) until it
 """
 from dataclasses import dataclass
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.sequence import Sequence
 from nanovllm.sampling_params import BeamSearchParams
 
 

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from nanovllm.kernels.fp8_primitives import dequantize_ref
 from nanovllm.kernels.silu_epilogue import gated_columns, silu_and_mul_store
 from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
 
@@ -65,7 +66,6 @@ def split_k_for(x: torch.Tensor, column_programs: int, k: int, block_k: int) -> 
 def fp8_gemv_ref(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """The torch twin: float32 product of x and the dequantized weight, in x's dtype."""
-    from nanovllm.kernels.fp8_linear import dequantize_ref   # here: fp8_linear imports this module
     y = x.float() @ dequantize_ref(w_q, w_s, group_size).T
     if bias is not None:
         y = y + bias.float()

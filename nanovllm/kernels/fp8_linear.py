@@ -24,13 +24,12 @@ from typing import NamedTuple
 
 import torch
 
-from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from nanovllm.kernels.fp8_primitives import (FP8_DTYPE, QuantizedActivation, dequantize_ref, num_groups,
+                                             quantize_activation_ref)
 from nanovllm.kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv, sm_count
 from nanovllm.kernels.triton_compat import (cuda_major_capability, pdl_launch, start_next_kernel, tl, triton,
                                              wait_for_previous_kernel)
 
-# the smallest activation scale: a token of zeros quantizes to zeros instead of dividing by zero
-ACT_SCALE_FLOOR = 1e-12
 # Per-channel GEMMs on Hopper through torch._scaled_mm (True) or the Triton kernel (False). Measured
 # on one H100 (Qwen3-8B projections, docs/benchmarks.md; the timing script is in git history): _scaled_mm is as fast or faster at
 # most batch sizes (gate_up M=4096: 678 us against 754, bf16 1,191); bench.py with the 8B shape,
@@ -40,42 +39,10 @@ SCALED_MM_PER_CHANNEL = True
 SWAPPED_MAX_ROWS = 256
 
 
-class QuantizedActivation(NamedTuple):
-    """An activation quantized by the kernel that produced it, as `quantize_activation_ref` would:
-    q [M, K] e4m3, scale [M, G] float32 (the consumer's group size), dtype: the 16-bit dtype it had."""
-    q: torch.Tensor
-    scale: torch.Tensor
-    dtype: torch.dtype
-
-
 def quantizes_activation(x: torch.Tensor) -> bool:
     """Whether fp8_linear quantizes x (dynamic scales) rather than sending it to the GEMV: always on
     the CPU, above GEMV_MAX_ROWS rows on CUDA. Where it does, the producer of x may do it instead."""
     return not x.is_cuda or x.shape[:-1].numel() > GEMV_MAX_ROWS
-
-
-def num_groups(k: int, group_size: int) -> int:
-    return -(-k // group_size)
-
-
-def quantize_activation_ref(x: torch.Tensor, group_size: int,
-                            static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (x_q [M, K] e4m3, scales [M, G] float32); a static scale (one element) is used as is."""
-    m, k = x.shape
-    if static_scale is not None:
-        scales = static_scale.float().reshape(1, 1).expand(m, 1)
-    else:
-        padded = torch.nn.functional.pad(x.float(), (0, num_groups(k, group_size) * group_size - k))
-        absmax = padded.abs().reshape(m, -1, group_size).amax(dim=-1)
-        # times the float32 reciprocal, not divided: torch divides by a Python number that way on CUDA
-        scales = (absmax * (1 / FP8_MAX)).clamp_min(ACT_SCALE_FLOOR)
-    x_q = (x.float() / scales.repeat_interleave(group_size, dim=1)[:, :k]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return x_q, scales.contiguous()
-
-
-def dequantize_ref(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[R, K] float8 and [R, G] scales -> float32 [R, K]."""
-    return q.float() * scales.float().repeat_interleave(group_size, dim=-1)[..., :q.shape[-1]]
 
 
 def fp8_matmul_ref(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,

@@ -26,7 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.fp8 import check_kv_scales, dequantize_fp8, is_fp8_cache
+from nanovllm.kernels.fp8_kv_cache import check_kv_scales, dequantize_fp8, is_fp8_cache
 from nanovllm.kernels.rotary_embedding import KVStore, RotaryInputs, apply_rotary_ref, normed_rotated, to_cache
 from nanovllm.kernels.triton_compat import (cuda_major_capability, pdl_launch, start_next_kernel, tl, triton,
                                              wait_for_previous_kernel)

@@ -10,7 +10,7 @@ norm rounds them to the residual's dtype, as the reduction would have, and clear
 """
 import torch
 
-from nanovllm.kernels.fp8 import FP8_DTYPE
+from nanovllm.kernels.fp8_primitives import FP8_DTYPE
 from nanovllm.kernels.fp8_linear import QuantizedActivation, num_groups, quantize_activation_ref, quantize_groups
 from nanovllm.kernels.triton_compat import pdl_launch, start_next_kernel, tl, triton, wait_for_previous_kernel
 from nanovllm.kernels.zeroed_workspace import PendingSums

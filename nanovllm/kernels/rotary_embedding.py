@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from nanovllm.kernels.fp8 import check_kv_scales, is_fp8_cache, quantize_fp8
+from nanovllm.kernels.fp8_kv_cache import check_kv_scales, is_fp8_cache, quantize_fp8
 from nanovllm.kernels.rms_norm import rms_norm_ref
 from nanovllm.kernels.triton_compat import pdl_launch, start_next_kernel, tl, triton, wait_for_previous_kernel
 

@@ -6,7 +6,7 @@ per token or per token and group): the bits `quantize_activation_ref` gives for 
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.fp8 import FP8_DTYPE
+from nanovllm.kernels.fp8_primitives import FP8_DTYPE
 from nanovllm.kernels.fp8_linear import QuantizedActivation, num_groups, quantize_activation_ref, quantize_groups
 from nanovllm.kernels.triton_compat import pdl_launch, start_next_kernel, tl, triton, wait_for_previous_kernel
 

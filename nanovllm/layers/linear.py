@@ -9,6 +9,8 @@ quantization config and the layer's checkpoint name (`prefix`). Every parameter 
 safetensors slice, so each rank reads only its own part), cut by `load_shard` along the axes the
 method declared. An optional bias is split like the output features it belongs to.
 """
+from typing import ClassVar
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -60,6 +62,7 @@ def load_shard(param: nn.Parameter, loaded, out: tuple[int, int, int] | None = N
 class LinearBase(nn.Module):
     """input_size and output_sizes are this rank's: one output size per logical part of the matrix;
     input_start is this rank's first input feature (row-parallel layers split the input)."""
+    splits_input: ClassVar[bool] = False     # does tensor parallelism split the input features?
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  quant_config: QuantizationConfig | None = None, prefix: str = "", input_start: int = 0):
@@ -134,6 +137,7 @@ class QKVParallelLinear(LinearBase):
 
 class RowParallelLinear(LinearBase):
     """The bias is whole on every rank and added once, after the partial products are summed."""
+    splits_input = True
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  quant_config: QuantizationConfig | None = None, prefix: str = ""):

@@ -11,7 +11,7 @@ GEMM (nanovllm/kernels/int_gemm.py), whose words hold input rows.
 import torch
 from torch import nn
 
-from nanovllm.quantization.base import QuantizationConfig, UnquantizedLinearMethod, shard_param
+from nanovllm.quantization.base import ModelShape, QuantizationConfig, UnquantizedLinearMethod, shard_param
 from nanovllm.quantization.int_packing import awq_for_gemm
 from nanovllm.quantization.weight_only import WeightOnlyIntMethod, check_groups
 
@@ -44,15 +44,10 @@ class AWQConfig(QuantizationConfig):
     def random_weights_config(cls) -> dict:
         return {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 
-    def quantize_checkpoint(self, tensors):
-        from nanovllm.utils.quantized_checkpoint import quantize_awq, quantized_tensors
-        return quantized_tensors(tensors, lambda name, w: None if self.is_skipped(name.rsplit(".", 1)[0])
-                                 else quantize_awq(w, self.group_size))
-
     def describe(self) -> str:
         return f"awq (4-bit, group {self.group_size})"
 
-    def verify(self, model_config, tensor_parallel_size: int) -> None:
+    def verify(self, model_config: ModelShape, tensor_parallel_size: int) -> None:
         check_groups("awq", model_config, tensor_parallel_size, self.group_size, COLUMNS_PER_WORD)
 
     def linear_method(self, layer: nn.Module, prefix: str):

@@ -37,14 +37,21 @@ shapes against the format before any weight is read. Formats register themselves
 Embeddings, the LM head, norms and MoE routers are not linear layers here and stay 16-bit.
 """
 import re
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from nanovllm.models.model_config import ModelConfig
+
+class ModelShape(Protocol):
+    """The shape fields of a model's config that a format's `verify` reads (models/model_config.py's
+    ModelConfig has them; quantization does not import it, models import quantization)."""
+    num_heads: int
+    head_dim: int
+    intermediate_size: int
+    moe_intermediate_size: int | None
+    num_experts: int | None
 
 # our merged modules -> the checkpoint modules they are made of (ignore lists name the latter)
 PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -124,16 +131,11 @@ class QuantizationConfig:
         when `quantization` names this checkpoint format; None: the method quantizes online."""
         return None
 
-    def quantize_checkpoint(self, tensors):
-        """(name, tensor) of random 16-bit weights (load_format "dummy") -> as this format's
-        checkpoints store them; online methods take them as they are."""
-        return tensors
-
     def describe(self) -> str:
         """A few words for the start-up line, e.g. 'fp8 (block 128x128)'."""
         return self.name
 
-    def verify(self, model_config: "ModelConfig", tensor_parallel_size: int) -> None:
+    def verify(self, model_config: ModelShape, tensor_parallel_size: int) -> None:
         """Check the model's shapes against the format; ValueError naming `quantization`."""
 
     def is_skipped(self, prefix: str) -> bool:

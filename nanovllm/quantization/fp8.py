@@ -21,9 +21,9 @@ stacked float8 weights with per-row block scales (`Fp8BlockMoEMethod`).
 import torch
 from torch import nn
 
-from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from nanovllm.kernels.fp8_primitives import FP8_DTYPE, FP8_MAX
 from nanovllm.kernels.fp8_linear import dequantize_ref, fp8_linear, fp8_linear_silu_and_mul
-from nanovllm.quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod, shard_param
+from nanovllm.quantization.base import ModelShape, LinearMethod, QuantizationConfig, UnquantizedLinearMethod, shard_param
 
 # a weight row of zeros still gets a usable scale
 WEIGHT_SCALE_FLOOR = 1e-12
@@ -74,18 +74,6 @@ class Fp8Config(QuantizationConfig):
     def online(cls) -> "Fp8Config":
         return cls(serialized=False)
 
-    def quantize_checkpoint(self, tensors):
-        """Random weights of a block-FP8 config (e.g. configs/qwen3-30b-a3b-fp8.json) as its checkpoint
-        stores them; online FP8 takes them as they are."""
-        if not self.serialized:
-            return tensors
-        if self.weight_block_size != (128, 128):
-            raise ValueError("quantization: random fp8 weights are written in the [128, 128] block layout only")
-        from nanovllm.utils.fp8_checkpoint import LINEAR_WEIGHT, quantize
-        from nanovllm.utils.quantized_checkpoint import quantized_tensors
-        return quantized_tensors(tensors, lambda name, w: None if self.is_skipped(name.rsplit(".", 1)[0])
-                                 else quantize(w, "fp8-block")[0], LINEAR_WEIGHT)     # experts' projections too
-
     def describe(self) -> str:
         if not self.serialized:
             return "fp8 per-channel, quantized while loading"
@@ -93,7 +81,7 @@ class Fp8Config(QuantizationConfig):
             return f"fp8 block {self.weight_block_size[0]}x{self.weight_block_size[1]}"
         return f"fp8 per-tensor, {self.activation_scheme} activations"
 
-    def verify(self, model_config, tensor_parallel_size: int) -> None:
+    def verify(self, model_config: ModelShape, tensor_parallel_size: int) -> None:
         if not self.weight_block_size:
             return
         block_k, tp = self.weight_block_size[1], tensor_parallel_size

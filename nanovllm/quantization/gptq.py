@@ -14,8 +14,7 @@ each row's scale through it.
 import torch
 from torch import nn
 
-from nanovllm.layers.linear import RowParallelLinear
-from nanovllm.quantization.base import QuantizationConfig, shard_param
+from nanovllm.quantization.base import ModelShape, QuantizationConfig, shard_param
 from nanovllm.quantization.int_packing import gptq_for_gemm
 from nanovllm.quantization.weight_only import WeightOnlyIntMethod, check_groups, linear_shapes
 
@@ -54,17 +53,11 @@ class GPTQConfig(QuantizationConfig):
         return {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
                 "checkpoint_format": "gptq"}
 
-    def quantize_checkpoint(self, tensors):
-        from nanovllm.utils.quantized_checkpoint import act_order, quantize_gptq, quantized_tensors
-        return quantized_tensors(tensors, lambda name, w: quantize_gptq(
-            w, self.bits, self.group_size, act_order(name, w.shape[1]) if self.desc_act else None,
-            self.zeros_minus_one))
-
     def describe(self) -> str:
         group = "per channel" if self.group_size == -1 else f"group {self.group_size}"
         return f"gptq ({self.bits}-bit, {group}{', act order' if self.desc_act else ''})"
 
-    def verify(self, model_config, tensor_parallel_size: int) -> None:
+    def verify(self, model_config: ModelShape, tensor_parallel_size: int) -> None:
         per_word = 32 // self.bits
         check_groups("gptq", model_config, tensor_parallel_size, self.group_size, per_word)
         for name, (inputs, _) in linear_shapes(model_config, tensor_parallel_size).items():
@@ -86,7 +79,7 @@ class GPTQLinearMethod(WeightOnlyIntMethod):
         layer.qweight = shard_param(torch.empty(input_size // per_word, out, dtype=torch.int32),
                                     output_dim=1, input_dim=0, units={0: per_word})
         layer.g_idx = shard_param(torch.empty(input_size, dtype=torch.int32), input_dim=0)
-        row_parallel = isinstance(layer, RowParallelLinear) and layer.tp_size > 1
+        row_parallel = layer.splits_input and layer.tp_size > 1
         if g == -1:                                  # one group: every rank keeps it
             groups, split = 1, {}
         elif self.config.desc_act and row_parallel:

@@ -1,4 +1,4 @@
-"""Proposals from a smaller draft model of the same vocabulary, run greedily by a second ModelRunner
+"""Proposals from a smaller draft model of the same vocabulary, run greedily by a second Executor
 over its own paged KV cache.
 
 The draft keeps one shadow sequence per target sequence, in its own block manager. Its KV lags the
@@ -13,34 +13,27 @@ above that many); it is allocated before the target sizes its own pool from what
 """
 import numpy as np
 
-from nanovllm.config import Config
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import SPECULATION_MAX_RUNNING, ScheduledBatch
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.step import SPECULATION_MAX_RUNNING, ScheduledBatch
+from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.worker.model_runner import ModelRunner
+from nanovllm.executor.executor import Executor
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1)
 
 
 class DraftProposer:
-    def __init__(self, config: Config):
-        spec = config.speculative_config
-        num_seqs = min(config.max_num_seqs, SPECULATION_MAX_RUNNING)
-        self.config = Config(spec.model, device=config.device, dtype=str(config.torch_dtype).removeprefix("torch."),
-                             max_model_len=config.max_model_len, max_num_seqs=num_seqs,
-                             max_num_batched_tokens=config.max_num_batched_tokens,
-                             kvcache_block_size=config.kvcache_block_size,
-                             num_kvcache_blocks=num_seqs * config.min_kvcache_blocks, enable_prefix_caching=False,
-                             enforce_eager=config.enforce_eager, load_format=config.load_format)
+    def __init__(self, config):
+        """config: the target engine's Config (config.py), whose draft_config the draft runs under."""
+        self.config = config.draft_config(min(config.max_num_seqs, SPECULATION_MAX_RUNNING))
         # a catch-up step computes the target's new token, and the last proposal when every one was
         # accepted: two tokens a sequence, replayed from CUDA graphs like the draft's decode steps
-        self.runner = ModelRunner(self.config, multi_token_len=2)
-        self.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.kvcache_block_size, False)
+        self.executor = Executor(self.config, multi_token_len=2)
+        self.block_manager = BlockManager(self.executor.num_kvcache_blocks, self.config.kvcache_block_size, False)
         self.shadows: dict[int, tuple[Sequence, Sequence]] = {}   # seq_id -> (sequence, its shadow)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
-        self._forget_gone()
+        self.free_gone()
         bm = self.block_manager
         shadows, wanted, proposals = [], [], [[] for _ in seqs]
         for i, (seq, k) in enumerate(zip(seqs, ks)):
@@ -94,15 +87,16 @@ class DraftProposer:
         (returns those)."""
         batch = ScheduledBatch(shadows, sizes, is_prefill)
         sampled = batch.sampled_seqs()
-        token_ids, _ = self.runner.collect(self.runner.launch(batch))
+        token_ids, _ = self.executor.collect(self.executor.launch(batch))
         for shadow, n in zip(shadows, sizes):
             shadow.num_computed_tokens += n
         for shadow, token_id in zip(sampled, token_ids):
             shadow.token_ids.append(token_id)
         return sampled
 
-    def _forget_gone(self) -> None:
-        """Free the shadows of sequences that finished or were preempted (they start over)."""
+    def free_gone(self) -> None:
+        """Free the shadows of sequences that finished, were aborted or were preempted (they start
+        over); the engine core calls it after every step it collects and every abort."""
         for seq_id, (seq, shadow) in list(self.shadows.items()):
             if seq.is_finished or seq.status == SequenceStatus.WAITING:
                 self.block_manager.free(shadow)
@@ -114,4 +108,4 @@ class DraftProposer:
         self.block_manager.reset()
 
     def close(self) -> None:
-        self.runner.close()
+        self.executor.close()

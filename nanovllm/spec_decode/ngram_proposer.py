@@ -6,7 +6,7 @@ When fewer than k tokens follow the match, the copy goes on over its own proposa
 tokens back says the text repeats with period p, so a run of one token proposes k more of it."""
 import numpy as np
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.sequence import Sequence
 
 
 class NgramProposer:

@@ -1,7 +1,7 @@
 """What the scheduler asks of a proposer (ngram_proposer.py, draft_proposer.py)."""
 from typing import Protocol
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.sequence import Sequence
 
 
 class Proposer(Protocol):

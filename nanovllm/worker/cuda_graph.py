@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from nanovllm.attention import AttentionBackend, use_metadata
-from nanovllm.worker.step_inputs import StepInputs
+from nanovllm.core.step import StepInputs
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

@@ -5,13 +5,13 @@ One tensor [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim] is al
 attention layer gets its K and V slices. Sizing is the runner's (it knows the memory left after a
 warm-up); this object turns bytes into blocks. A float8 pool (kv_cache_dtype="fp8") stores half the
 bytes of a 16-bit one, so the same memory holds twice the tokens; each layer gets a float32 K scale
-and V scale (see kernels/fp8.py), which the runner measures at start-up (ModelRunner._calibrate).
+and V scale (see kernels/fp8_kv_cache.py), which the runner measures at start-up (Worker._calibrate_kv_scales).
 """
 import os
 
 import torch
 
-from nanovllm.kernels.fp8 import FP8_DTYPE
+from nanovllm.kernels.fp8_primitives import FP8_DTYPE
 from nanovllm.layers.attention import Attention
 
 CPU_KV_CACHE_SHARE = 0.25   # of physical memory, when the CPU pool is sized automatically

@@ -4,8 +4,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from nanovllm.engine.sequence import Sequence
-from nanovllm.spec_decode.rejection_sampler import VerifyTensors
+from nanovllm.core.sequence import Sequence
+from nanovllm.sample.rejection_sampler import VerifyTensors
 
 
 def verify_rows(seqs: list[Sequence], drafts: list[list[int]]) -> tuple[list[Sequence], list[int]]:

@@ -51,11 +51,12 @@ def load_model(model: nn.Module, config: Config) -> dict[int, dict[str, torch.Te
     scale (load_format "dummy": benchmarks of shapes whose weights would not fit on disk).
     Returns the checkpoint's K/V cache scales: layer index -> {"k": tensor, "v": tensor}."""
     if config.load_format == "dummy":
-        from nanovllm.utils.random_checkpoint import random_tensors
+        from nanovllm.checkpoints.quantized_checkpoint import quantize_random_tensors
+        from nanovllm.checkpoints.random_checkpoint import random_tensors
         param = next(model.parameters())
         tensors = random_tensors(config.hf_config, dtype=param.dtype, device=str(param.device))
         if config.model_config.quantization is not None:
-            tensors = config.model_config.quantization.quantize_checkpoint(tensors)
+            tensors = quantize_random_tensors(config.model_config.quantization, tensors)
     else:
         tensors = checkpoint_tensors(config.model)
     kv_scales = load_tensors(model, tensors, config.model)

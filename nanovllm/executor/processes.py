@@ -1,5 +1,5 @@
-"""Tensor-parallel worker processes: started by rank 0 with spawn, fed every step's StepInputs
-through a pipe, watched so that a dead one is an error instead of a hang."""
+"""The worker processes of ranks 1..N-1: started by the executor with spawn, fed every step's
+StepInputs through a pipe, watched so that a dead one is an error instead of a hang."""
 import contextlib
 import multiprocessing as mp
 import signal
@@ -9,14 +9,17 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+import torch.distributed as dist
+
 from nanovllm.config import Config
-from nanovllm.worker.step_inputs import StepInputs
+from nanovllm.core.step import StepInputs
+from nanovllm.worker.worker import Worker
 
 LOADED = "loaded"
 
 
 @dataclass
-class Worker:
+class WorkerProcess:
     """Rank 0's handle on a worker process and the pipe that carries its steps."""
     rank: int
     process: mp.Process
@@ -39,9 +42,8 @@ class Worker:
             raise RuntimeError(f"tensor-parallel worker {self.rank} failed to start:\n{received}")
 
 
-def start_workers(config: Config, runner_class: type) -> tuple[str, list[Worker]]:
-    """Ranks 1.. of `config`, each running `runner_class(config, rank, init_method, conn)` (the model
-    runner, passed in because it is the runner that starts the workers)."""
+def start_worker_processes(config: Config, multi_token_len: int | None = None) -> tuple[str, list[WorkerProcess]]:
+    """Ranks 1.. of `config`, each a Worker in a process of its own; and the process group's address."""
     with socket.socket() as s:           # a free port for the process group's rendezvous
         s.bind(("127.0.0.1", 0))
         init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
@@ -49,15 +51,15 @@ def start_workers(config: Config, runner_class: type) -> tuple[str, list[Worker]
     workers = []
     for rank in range(1, config.tensor_parallel_size):
         parent_end, child_end = context.Pipe()
-        process = context.Process(target=worker_main, args=(runner_class, config, rank, init_method, child_end),
+        process = context.Process(target=worker_main, args=(config, rank, init_method, multi_token_len, child_end),
                                   name=f"nanovllm-tp-rank{rank}", daemon=True)
         process.start()
         child_end.close()
-        workers.append(Worker(rank, process, parent_end))
+        workers.append(WorkerProcess(rank, process, parent_end))
     return init_method, workers
 
 
-def stop_workers(workers: list[Worker]) -> None:
+def stop_worker_processes(workers: list[WorkerProcess]) -> None:
     for worker in workers:
         if worker.process.is_alive():
             try:
@@ -72,21 +74,25 @@ def stop_workers(workers: list[Worker]) -> None:
         worker.conn.close()
 
 
-def worker_main(runner_class: type, config: Config, rank: int, init_method: str,
+def worker_main(config: Config, rank: int, init_method: str, multi_token_len: int | None,
                 conn: Connection) -> None:
     """A worker rank: build the same model shard, then run every step rank 0 sends until told to stop."""
     try:
-        runner = runner_class(config, rank, init_method, conn)
+        worker = Worker(config, rank, init_method, multi_token_len)
+        conn.send(LOADED)        # before the first collective, which would hang on a dead rank
+        worker.init_kv_cache()
     except BaseException:
         conn.send(traceback.format_exc())
         return
     try:
         while (inputs := conn.recv()) is not None:
-            runner.execute(inputs)
+            worker.execute(inputs)
     except EOFError:                      # rank 0's process is gone
         pass
     finally:
-        runner.close()
+        worker.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ p(x), and at the first rejection draws from max(0, p - q) normalised: p without 
 when every proposal is kept, a bonus token is drawn from p at the position after them.
 
 We draw the same thing by sampling each position from p exactly as the plain sampler would
-(layers/sampler.py: min_tokens bans, temperature, min_p, top_k, top_p; the same per-position seeds)
+(sample/sampler.py: min_tokens bans, temperature, min_p, top_k, top_p; the same per-position seeds)
 and keeping x while the sample equals it: the sample is x with probability p(x), and otherwise it
 is distributed as p without x, renormalised, and is the token emitted in x's place. Greedy rows keep
 x while the argmax equals it. Because the noise at each position is the plain sampler's, a seeded
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
+from nanovllm.sample.sampler import Sampler, SamplerOutput, SamplingTensors
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ the same requests. And the model the benchmarks run: a checkpoint, or random wei
 import argparse
 import random
 
-from nanovllm.utils.random_checkpoint import cached_shape
+from nanovllm.checkpoints.random_checkpoint import cached_shape
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

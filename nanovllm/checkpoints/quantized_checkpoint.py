@@ -187,3 +187,22 @@ def _save(source: str, target: str, config: dict, tensors: dict[str, torch.Tenso
         json.dump(config, f, indent=2)
     save_file(tensors, os.path.join(target, "model.safetensors"), metadata={"format": "pt"})
     return target
+
+
+def quantize_random_tensors(quantization, tensors):
+    """(name, tensor) of random 16-bit weights (load_format "dummy") -> as a checkpoint of
+    `quantization` (a QuantizationConfig) stores them; online FP8 takes them as they are."""
+    skipped = lambda name: quantization.is_skipped(name.rsplit(".", 1)[0])  # noqa: E731
+    if quantization.name == "awq":
+        return quantized_tensors(tensors, lambda name, w: None if skipped(name) else quantize_awq(w, quantization.group_size))
+    if quantization.name == "gptq":
+        return quantized_tensors(tensors, lambda name, w: quantize_gptq(
+            w, quantization.bits, quantization.group_size,
+            act_order(name, w.shape[1]) if quantization.desc_act else None, quantization.zeros_minus_one))
+    if quantization.name == "fp8" and quantization.serialized:
+        if quantization.weight_block_size != (128, 128):
+            raise ValueError("quantization: random fp8 weights are written in the [128, 128] block layout only")
+        from nanovllm.checkpoints.fp8_checkpoint import LINEAR_WEIGHT, quantize
+        return quantized_tensors(tensors, lambda name, w: None if skipped(name) else quantize(w, "fp8-block")[0],
+                                 LINEAR_WEIGHT)     # experts' projections too
+    return tensors

@@ -11,53 +11,24 @@ fill (the tokens, and the stops they cause). When a step is lost (an exception o
 engine loop), `reset` takes every sequence back to the queue as a preemption would: pending tokens
 are dropped and everything is recomputed, so no state of the lost step survives.
 
-With a proposer (speculative decoding), a decode step may verify proposed tokens: a sequence with
-k proposals computes k + 1 positions, for which blocks are reserved before the step; once the
-step's tokens are back, the accepted proposals count as computed and blocks beyond the sequence's
-end go back to the pool (fill_verified). Proposals need every token on the host, so the engine
-collects each step before scheduling the next while the batch is small enough to speculate.
+With speculative decoding, a decode step may verify proposed tokens: the engine core asks its
+proposer for up to `draft_lengths` tokens per sequence and hands them back (add_drafts); a
+sequence with k proposals computes k + 1 positions, for which blocks are reserved before the step;
+once the step's tokens are back, the accepted proposals count as computed and blocks beyond the
+sequence's end go back to the pool (fill_verified). Proposals need every token on the host, so the
+engine collects each step before scheduling the next while the batch is small enough to speculate.
+The scheduler itself launches nothing.
 """
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from nanovllm.config import Config
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.spec_decode.proposer import Proposer
-
-# Speculation steps aside above this many running sequences: a large decode batch is no longer
-# bound by reading the weights, so verifying proposals stops being free, and a speculating engine
-# collects every step before the next (no overlap). Measured on one H100 (docs/benchmarks.md): an
-# eager verify step costs 2.3-2.5x a decode step from batch 4 to 64, and with 32 bench.py lost 6%.
-SPECULATION_MAX_RUNNING = 8
-
-
-@dataclass(slots=True)
-class ScheduledBatch:
-    seqs: list[Sequence]
-    num_new_tokens: list[int]   # tokens each sequence computes this step
-    is_prefill: bool
-    block_copies: list[tuple[int, int]] = field(default_factory=list)   # (source, destination) before it
-    draft_token_ids: list[list[int]] | None = None   # decode: each sequence's proposals to verify
-    kv_offloads: list[tuple[int, int]] = field(default_factory=list)    # (GPU block, host block) before it
-    kv_loads: list[tuple[int, int]] = field(default_factory=list)       # (host block, GPU block) before it
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def sampled_seqs(self) -> list[Sequence]:
-        """The sequences that get a token from this step: those it brings to their last token.
-        (Ask before Scheduler.advance records the step.)"""
-        if not self.is_prefill:
-            return self.seqs
-        return [seq for seq, n in zip(self.seqs, self.num_new_tokens) if seq.num_computed_tokens + n == seq.num_tokens]
-
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.sequence import Sequence, SequenceStatus
+from nanovllm.core.step import SPECULATION_MAX_RUNNING, ScheduledBatch
 
 class Scheduler:
-    def __init__(self, config: Config, block_manager: BlockManager, proposer: Proposer | None = None,
-                 num_speculative_tokens: int = 0):
+    def __init__(self, config: Config, block_manager: BlockManager, num_speculative_tokens: int = 0):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -69,8 +40,7 @@ class Scheduler:
         # cumulative counters, for metrics
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.prefix_cache_queries = self.prefix_cache_hits = 0    # prompt tokens looked up / found
-        self.proposer = proposer                      # speculative decoding: guesses of the next tokens
-        self.num_speculative_tokens = num_speculative_tokens
+        self.num_speculative_tokens = num_speculative_tokens      # speculative decoding: k, or 0
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.prefix_cache_host_hits = 0                            # of those found, in the host tier
 
@@ -178,37 +148,35 @@ class Scheduler:
                 elif popped < i:
                     i -= 1
         batch.num_new_tokens = [1] * len(batch.seqs)
-        if self.speculates():
-            self._add_drafts(batch)
         return batch
 
     def speculates(self) -> bool:
         """Will a decode step now verify proposals? (The engine then collects every step first.) Not
         while a sequence runs under a grammar: each proposed position would need its own token mask."""
-        return (self.proposer is not None and len(self.running) <= SPECULATION_MAX_RUNNING
+        return (self.num_speculative_tokens > 0 and len(self.running) <= SPECULATION_MAX_RUNNING
                 and all(seq.grammar is None for seq in self.running))
 
-    def _add_drafts(self, batch: ScheduledBatch) -> None:
-        """Ask the proposer for each decoding sequence and reserve blocks for what it proposes; a
-        sequence whose blocks do not fit decodes plainly (speculation never preempts)."""
-        bm = self.block_manager
+    def draft_lengths(self, batch: ScheduledBatch) -> list[int]:
+        """How many proposals each sequence of a decode batch may verify (0: none): at most k, within
+        the step's token budget, and never past max_tokens or max_model_len with the token sampled
+        after them."""
         budget = self.max_num_batched_tokens - len(batch.seqs)
-        rows, ks = [], []
-        for i, seq in enumerate(batch.seqs):
-            if seq.pending_row is not None or seq.beam_search is not None:
-                continue
-            # at most k, and never past max_tokens or max_model_len with the token sampled after them
-            k = min(self.num_speculative_tokens, budget, self.max_model_len - seq.num_tokens - 1,
-                    seq.sampling_params.max_tokens - seq.num_completion_tokens - 1)
-            if k > 0:
-                rows.append(i)
-                ks.append(k)
-                budget -= k
-        if not rows:
-            return
+        lengths = []
+        for seq in batch.seqs:
+            k = 0
+            if seq.pending_row is None and seq.beam_search is None:
+                k = max(0, min(self.num_speculative_tokens, budget, self.max_model_len - seq.num_tokens - 1,
+                               seq.sampling_params.max_tokens - seq.num_completion_tokens - 1))
+            lengths.append(k)
+            budget -= k
+        return lengths
+
+    def add_drafts(self, batch: ScheduledBatch, proposals: list[list[int]]) -> None:
+        """Reserve blocks for each sequence's proposals; one whose blocks do not fit decodes plainly
+        (speculation never preempts)."""
+        bm = self.block_manager
         drafts = [[] for _ in batch.seqs]
-        for i, proposal in zip(rows, self.proposer.propose([batch.seqs[i] for i in rows], ks)):
-            seq = batch.seqs[i]
+        for i, (seq, proposal) in enumerate(zip(batch.seqs, proposals)):
             if proposal and bm.can_allocate(seq, seq.num_tokens + len(proposal)):
                 bm.allocate(seq, seq.num_tokens + len(proposal))
                 drafts[i] = proposal

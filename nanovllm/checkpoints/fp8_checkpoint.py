@@ -20,7 +20,7 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from nanovllm.kernels.fp8_primitives import FP8_DTYPE, FP8_MAX
 
 LAYOUTS = ("fp8-block", "fp8-tensor-static", "ct-channel-dynamic", "ct-tensor-dynamic")
 LINEAR_WEIGHT = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")

@@ -2,41 +2,14 @@
 
 Token ids are real except for a sequence's pending token (sampled by the step still in flight and
 not collected yet): it is encoded as a marker that tells the device which row of the last sampler
-output to read (ModelRunner.read_pending_tokens). This is the only place that encodes it.
+output to read (Worker.read_pending_tokens); core/step.py says how (pending_token_marker).
 """
-from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
 
-from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.sequence import Sequence
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """Everything the model needs for one step, as flat host arrays (cheap to ship to TP workers)."""
-    is_prefill: bool
-    input_ids: np.ndarray       # [num_tokens]; a negative id is a pending token (pending_token_marker)
-    positions: np.ndarray       # [num_tokens]
-    slot_mapping: np.ndarray    # [num_tokens] cache slot of each token
-    context_lens: np.ndarray    # [num_seqs] cached + new tokens
-    cu_seqlens_q: np.ndarray    # [num_seqs + 1] where each sequence's new tokens start
-    block_tables: np.ndarray    # [num_seqs, max_blocks], padded with 0
-    logits_indices: np.ndarray  # rows whose next token is sampled (last token of a finished prompt)
-    block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))  # [n, 2] src, dst
-    # the prefix cache's host tier, made before the step: [n, 2] (GPU, host) and (host, GPU) blocks
-    kv_offloads: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
-    kv_loads: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.context_lens)
-
-
-def pending_token_marker(row: int) -> int:
-    """The input id that stands for a token still on the device: row `row` of the last sampler output."""
-    return -1 - row
+from nanovllm.core.sequence import Sequence
+from nanovllm.core.step import ScheduledBatch, StepInputs, pending_token_marker
 
 
 def step_token_ids(seq: Sequence, start: int, end: int) -> list[int]:

@@ -1,20 +1,16 @@
-"""The device side of the engine: launch a scheduled step, collect its tokens.
+"""One rank of the engine: its shard of the model, its KV cache and its CUDA graphs.
 
-It turns a ScheduledBatch into StepInputs (step_inputs.py), runs the model (eagerly, or by replaying
-a CUDA graph for decode: cuda_graph.py) over the paged pool (kv_cache.py), and samples one token for
-every sequence whose prompt is fully computed (sampling_inputs.py); a verify step (speculative
-decoding) runs eagerly and samples every position of each sequence, keeping a prefix of its
-proposals (spec_decode/rejection_sampler.py). Under tensor parallelism rank 0 also sends each step
-to the worker processes (tp.py). It never decides what runs; the scheduler does.
+A worker runs the model on a step's flat inputs (StepInputs: core/step.py), eagerly or by replaying
+a CUDA graph for decode (cuda_graph.py), over the paged pool (kv_cache.py), and samples the rows it
+is given. It knows nothing of sequences or scheduling: the executor (executor/executor.py) turns
+scheduled batches into inputs, drives every rank's worker, and reads the tokens back. Start-up is in
+two halves so that an executor can check every rank loaded its weights before the first collective
+(sizing the KV pool): `Worker(...)` loads the model, `init_kv_cache()` sizes, allocates and warms up.
 """
 import contextlib
 import math
 import os
-import time
-import weakref
-from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing.connection import Connection
 
 import numpy as np
 import torch
@@ -22,36 +18,15 @@ import torch.distributed as dist
 
 from nanovllm.attention import choose_attention_backend, use_metadata
 from nanovllm.config import Config
-from nanovllm.engine.scheduler import SPECULATION_MAX_RUNNING, ScheduledBatch
-from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.structured_output import TokenBitmask
-from nanovllm.kernels.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
+from nanovllm.core.step import SPECULATION_MAX_RUNNING, StepInputs
+from nanovllm.kernels.fp8_kv_cache import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
+from nanovllm.sample.sampler import Sampler, SamplerOutput, SamplingTensors
 from nanovllm.models.registry import build_model
-from nanovllm.spec_decode.rejection_sampler import rejection_sample
-from nanovllm.spec_decode.verify_inputs import build_verify_tensors, verify_rows
-from nanovllm.utils.loader import load_model, weight_bytes
+from nanovllm.worker.weight_loader import load_model, weight_bytes
 from nanovllm.worker.cuda_graph import StepGraphs
 from nanovllm.worker.kv_cache import KVCache, cpu_budget_bytes
 from nanovllm.worker.kv_offload import HostKVCache
-from nanovllm.worker.sampling_inputs import build_sampling_tensors, logprobs_by_row
-from nanovllm.worker.step_inputs import StepInputs, build_step_inputs
-from nanovllm.worker.tp import LOADED, Worker, deferred_keyboard_interrupt, start_workers, stop_workers
-
-
-@dataclass(slots=True)
-class LaunchedStep:
-    """A step queued on the device: the sequences it samples, in row order, and host copies of its
-    sampler output that are valid once `done` has passed. Launched without sampling, it holds its
-    logits and sampling tensors until `ModelRunner.sample` (token masks come later)."""
-    seqs: list[Sequence]
-    out: SamplerOutput | None = None
-    done: torch.cuda.Event | None = None
-    draft_lens: list[int] | None = None          # a verify step: proposals per sequence; out has a
-    num_accepted: torch.Tensor | None = None     # row per position, and these were accepted
-    logits: torch.Tensor | None = None
-    sampling: SamplingTensors | None = None
 
 
 @contextlib.contextmanager
@@ -64,43 +39,33 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-class ModelRunner:
-    """One rank's runner. Rank 0 (in the engine's process) starts the other ranks as worker
-    processes and sends them every step's StepInputs; they only run the model."""
+class Worker:
+    """One rank: rank 0 lives in the engine's process, the others in processes an executor starts."""
 
     def __init__(self, config: Config, rank: int = 0, init_method: str | None = None,
-                 conn: Connection | None = None, multi_token_len: int | None = None):
+                 multi_token_len: int | None = None):
         self.config = config
         self.rank = rank
         self.world_size = config.tensor_parallel_size
         self.block_size = config.kvcache_block_size
+        self.multi_token_len = multi_token_len
         if config.device == "cuda":
             self.device = torch.device("cuda", rank)
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        self.workers: list[Worker] = []
         self.graphs: list[StepGraphs] = []     # captured last, once the pool exists
-        self.needs_restart = False    # ranks went out of step (see _execute_with_workers)
         if self.world_size > 1:
-            if rank == 0:
-                init_method, self.workers = start_workers(config, ModelRunner)
-                self._stop_workers = weakref.finalize(self, stop_workers, self.workers)
             if not self.is_cuda:   # ranks share the cores
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
             dist.init_process_group("nccl" if self.is_cuda else "gloo", init_method=init_method,
                                     world_size=self.world_size, rank=rank, timeout=timedelta(minutes=10))
         with torch.device(self.device), default_dtype(config.torch_dtype):
             self.model = build_model(config.model_config)
-        checkpoint_kv_scales = load_model(self.model, config)
+        self.checkpoint_kv_scales = load_model(self.model, config)
         self.model.eval()
         self.weight_bytes = weight_bytes(self.model)   # this rank's
-        if conn is not None:
-            conn.send(LOADED)
-        for worker in self.workers:     # before the first collective, which would hang on a dead rank
-            worker.expect(LOADED)
         self.sampler = Sampler()
-        self.unseeded = np.random.default_rng()
         self.last_token_ids: torch.Tensor | None = None   # the last sampler output, on the device
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         kv_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8" else config.torch_dtype
@@ -108,15 +73,22 @@ class ModelRunner:
         for attn in self.attention_layers:
             attn.backend = self.backend
         self.kv_cache = KVCache(self.attention_layers, self.block_size, kv_dtype, self.device)
+        self.host_kv_cache: HostKVCache | None = None
+        self.num_kvcache_blocks = 0
+
+    def init_kv_cache(self) -> None:
+        """Size the KV pool (a collective under TP: every rank takes the smallest), calibrate float8
+        scales, allocate, compile the cached-prefill path and capture the decode graphs."""
+        config = self.config
         self.host_kv_cache = self._allocate_host_tier()      # before sizing: its staging takes device memory
         self.num_kvcache_blocks = self._size_kv_cache()
-        if self.kv_cache.is_fp8 and not self._use_checkpoint_kv_scales(checkpoint_kv_scales):
+        if self.kv_cache.is_fp8 and not self._use_checkpoint_kv_scales(self.checkpoint_kv_scales):
             self._calibrate_kv_scales()
         self.kv_cache.allocate(self.num_kvcache_blocks)
         if self.is_cuda:
             self._run_cached_prefill()
         if self.is_cuda and not config.enforce_eager:
-            self._capture_graphs(multi_token_len)
+            self._capture_graphs(self.multi_token_len)
 
     def _capture_graphs(self, multi_token_len: int | None) -> None:
         """Decode graphs, and with speculation graphs of verify steps (k + 1 tokens per sequence) for
@@ -251,102 +223,12 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def prepare_step(self, batch: ScheduledBatch) -> StepInputs:
-        inputs = build_step_inputs(batch, self.block_size)
-        if batch.kv_offloads or batch.kv_loads:
-            inputs.kv_offloads = np.array(batch.kv_offloads, dtype=np.int64).reshape(-1, 2)
-            inputs.kv_loads = np.array(batch.kv_loads, dtype=np.int64).reshape(-1, 2)
-        return inputs
-
-    def prepare_sampling(self, seqs: list[Sequence]) -> SamplingTensors:
-        return build_sampling_tensors(seqs, self.config.model_config.vocab_size, self.config.eos_token_ids,
-                                      self.unseeded, self._host_to_device)
-
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, sample: bool = True) -> LaunchedStep:
-        """Queue one scheduled step (model and, unless `sample` is False, sampling) on the device and
-        return without waiting, so the host can prepare the next step while this one runs."""
-        inputs = self.prepare_step(batch)
-        logits = self._execute_with_workers(inputs) if self.workers else self.execute(inputs)
-        seqs = batch.sampled_seqs()
-        if not seqs:
-            return LaunchedStep(seqs)
-        if batch.draft_token_ids is not None:     # a verify step samples at once (never constrained)
-            out, num_accepted = self._verify(logits, seqs, batch.draft_token_ids)
-            step = LaunchedStep(seqs, draft_lens=list(map(len, batch.draft_token_ids)))
-            step.num_accepted = num_accepted.to("cpu", non_blocking=True)
-            self._to_host(step, out)
-            return step
-        step = LaunchedStep(seqs, logits=logits, sampling=self.prepare_sampling(seqs))
-        if sample:
-            self.sample(step)
-        return step
-
-    def _verify(self, logits: torch.Tensor, seqs: list[Sequence],
-                drafts: list[list[int]]) -> tuple[SamplerOutput, torch.Tensor]:
-        """Rejection-sample a verify step's rows (spec_decode/rejection_sampler.py)."""
-        row_seqs, positions = verify_rows(seqs, drafts)
-        sampling = build_sampling_tensors(row_seqs, self.config.model_config.vocab_size, self.config.eos_token_ids,
-                                          self.unseeded, self._host_to_device, positions)
-        verify = build_verify_tensors(drafts, positions, self._host_to_device)
-        return rejection_sample(logits, sampling, verify)
-
-    @torch.inference_mode()
-    def sample(self, step: LaunchedStep, token_bitmask: TokenBitmask | None = None) -> None:
-        """Queue a launched step's sampling, under the grammars' token bitmask if any."""
-        if token_bitmask is not None:
-            step.sampling.token_bitmask, step.sampling.bitmask_rows = token_bitmask.to(self.device)
-        out = self.sampler(step.logits, step.sampling)
-        step.logits = step.sampling = None
-        self.last_token_ids = out.token_ids      # the next step reads its pending tokens from here
-        self._to_host(step, out)
-
-    def _to_host(self, step: LaunchedStep, out: SamplerOutput) -> None:
-        """Start copying a step's sampled tokens to the host; `step.done` marks when they are there."""
-        to_host = lambda t: None if t is None else t.to("cpu", non_blocking=True)  # noqa: E731
-        step.out = SamplerOutput(to_host(out.token_ids), to_host(out.logprobs), to_host(out.top_logprobs),
-                                 to_host(out.top_token_ids))
-        step.done = torch.cuda.Event() if self.is_cuda else None
-        if step.done is not None:
-            step.done.record()
-
-    def _execute_with_workers(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Send a step to the workers and run rank 0's share. A Ctrl-C waits until the step is done
-        (the ranks must meet in every collective); any other failure once the workers have the step
-        leaves the ranks apart, so the engine must start them anew (needs_restart)."""
-        with deferred_keyboard_interrupt():
-            for worker in self.workers:
-                worker.send(inputs)
-            try:
-                return self.execute(inputs)
-            except BaseException as error:
-                for worker in self.workers:   # a collective failing because a rank died says so
-                    worker.process.join(timeout=1)
-                    worker.check_alive()
-                self.needs_restart = True
-                raise error
-
-    def collect(self, step: LaunchedStep) -> tuple[list[int], list[dict[int, float] | None]]:
-        """Wait for a launched step; the token (and logprobs, where asked) of each sampled sequence."""
-        if not step.seqs:
-            return [], []
-        self._wait_for_device(step.done)
-        return step.out.token_ids.tolist(), logprobs_by_row(step.out, step.seqs)
-
-    def collect_verified(self, step: LaunchedStep) -> tuple[list[list[int]], list[list[dict[int, float] | None]],
-                                                            list[int]]:
-        """Wait for a verify step; each sequence's tokens (accepted proposals, then one more), their
-        logprobs (entries None where not asked), and how many proposals were accepted."""
-        self._wait_for_device(step.done)
-        row_seqs, _ = verify_rows(step.seqs, [[0] * n for n in step.draft_lens])
-        row_tokens, row_logprobs = step.out.token_ids.tolist(), logprobs_by_row(step.out, row_seqs)
-        num_accepted = step.num_accepted.tolist()
-        tokens, logprobs, start = [], [], 0
-        for drafted, accepted in zip(step.draft_lens, num_accepted):
-            tokens.append(row_tokens[start:start + accepted + 1])
-            logprobs.append(row_logprobs[start:start + accepted + 1])
-            start += drafted + 1
-        return tokens, logprobs, num_accepted
+    def sample(self, logits: torch.Tensor, sampling: SamplingTensors) -> SamplerOutput:
+        """Sample the rows of a step's logits; the next step reads its pending tokens from the result."""
+        out = self.sampler(logits, sampling)
+        self.last_token_ids = out.token_ids
+        return out
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -354,7 +236,7 @@ class ModelRunner:
         if len(inputs.kv_offloads) or len(inputs.kv_loads):    # the prefix cache's host tier
             self.host_kv_cache.transfer(inputs.kv_offloads, inputs.kv_loads)
         if len(inputs.block_copies):    # copy-on-write of blocks shared by forked sequences
-            self.kv_cache.copy_blocks(self._host_to_device(inputs.block_copies))
+            self.kv_cache.copy_blocks(self.host_to_device(inputs.block_copies))
         graphs, size = next(((graphs, size) for graphs in self.graphs if (size := graphs.size_for(inputs))),
                             (None, 0))
         if graphs is not None:
@@ -371,41 +253,15 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions)
             rows = inputs.logits_indices
         if len(rows) != len(hidden):
-            hidden = hidden[self._host_to_device(rows)]
+            hidden = hidden[self.host_to_device(rows)]
         return self.model.compute_logits(hidden)
 
-    def _wait_for_device(self, done: torch.cuda.Event | None) -> None:
-        """With workers on GPUs, a dead rank would leave a step hanging in NCCL: wait by polling."""
-        if done is None:
-            return
-        if not self.workers:
-            done.synchronize()
-            return
-        while not done.query():
-            for worker in self.workers:
-                worker.check_alive()
-            time.sleep(0.0001)
-
     def close(self) -> None:
-        """Stop the workers (rank 0), leave the process group and free this rank's device memory."""
-        if self.workers:
-            if self.needs_restart:     # the workers wait in a collective rank 0 left: do not wait for them
-                for worker in self.workers:
-                    worker.process.kill()
-            self._stop_workers()
-        clean = all(worker.process.exitcode == 0 for worker in self.workers)
+        """Free this rank's device memory (the executor leaves the process group)."""
         self.graphs, self.model, self.last_token_ids = [], None, None
         self.kv_cache.release()
         if self.host_kv_cache is not None:
             self.host_kv_cache.release()
-        if dist.is_initialized():
-            if clean:
-                dist.destroy_process_group()
-            else:   # a rank died: do not wait for it (a plain destroy can hang on NCCL)
-                try:
-                    dist.distributed_c10d._abort_process_group()
-                except (AttributeError, RuntimeError):
-                    dist.destroy_process_group()
         if self.is_cuda:
             torch.cuda.empty_cache()
 
@@ -414,7 +270,7 @@ class ModelRunner:
         rows = (-1 - input_ids).clamp_(min=0)
         return torch.where(input_ids < 0, self.last_token_ids[rows], input_ids)
 
-    def _host_to_device(self, array: np.ndarray) -> torch.Tensor:
+    def host_to_device(self, array: np.ndarray) -> torch.Tensor:
         """Through pinned memory, so the copy neither waits for the device nor holds up the host."""
         data = torch.from_numpy(array)
         return data.pin_memory().to(self.device, non_blocking=True) if self.is_cuda else data
@@ -427,5 +283,5 @@ class ModelRunner:
         packed = np.zeros(starts[-1], np.int64)
         for a, start in zip(arrays, starts):
             packed[start:start + a.size] = a.ravel()
-        data = self._host_to_device(packed)
+        data = self.host_to_device(packed)
         return [data[start:start + a.size].view(a.shape) for a, start in zip(arrays, starts)]

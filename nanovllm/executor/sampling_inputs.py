@@ -5,8 +5,8 @@ import numpy as np
 import torch
 import xxhash
 
-from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import SamplerOutput, SamplingTensors
+from nanovllm.core.sequence import Sequence
+from nanovllm.sample.sampler import SamplerOutput, SamplingTensors
 
 
 def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: tuple[int, ...],

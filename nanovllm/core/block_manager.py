@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from nanovllm.engine.host_block_pool import HostBlockPool
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.host_block_pool import HostBlockPool
+from nanovllm.core.sequence import Sequence
 
 
 @dataclass(slots=True)

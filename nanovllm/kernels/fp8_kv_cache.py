@@ -12,8 +12,8 @@ clipped to it.
 """
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0   # largest finite e4m3fn value
+from nanovllm.kernels.fp8_primitives import FP8_DTYPE, FP8_MAX
+
 SCALE_FLOOR = 1e-6 / FP8_MAX   # a layer whose K or V never exceeds 1e-6 still gets a usable scale
 
 
