@@ -1,17 +1,20 @@
 """Latency at fixed batch sizes, against the memory-bandwidth floor of a decode step.
 
-For each batch size: that many prompts of --input-len random token ids, each generating exactly
---output-len tokens (EOS ignored, greedy). TTFT is the time to the first token of the whole batch
-(a run with max_tokens=1), TPOT the time per token after it ((full run - TTFT) / (output len - 1)),
-tok/s the batch's output tokens over the full run. Every run uses prompts of its own, so no run
-hits the prefix cache.
+For each batch size: a warm-up run, then one timed run of that many prompts of --input-len random
+token ids, each generating exactly --output-len tokens (EOS ignored, greedy). TTFT and TPOT are
+each request's own, as the engine reports them in its output's metrics (time to the first token
+from the request's arrival; time per token after the first), as mean, p50 and p99 over the batch;
+tok/s is the batch's output tokens over the timed run's wall time. All figures come from that one
+run, so none is a difference of two runs that load can turn negative. Every run uses prompts of
+its own, so no run hits the prefix cache.
 
 The floor is the time a decode step must take to read what it reads, at --bandwidth-tbps: the
 model's weights as the device holds them (the bytes of every parameter and buffer of the loaded
 model, so a quantized format counts as stored; without the input embedding unless it is tied to
 the LM head, since a step reads only its tokens' rows, and without the rotary table), plus the
 K/V of every cached token of the batch, at the mean context of the decode steps. Of a mixture of
-experts it counts the experts a batch is expected to reach (see decode_weight_bytes).
+experts it counts the experts a batch is expected to reach (see decode_weight_bytes). The share of
+the floor is the floor over the mean TPOT.
 
     python bench_latency.py --config configs/qwen3-8b.json
     python bench_latency.py --model ~/huggingface/Qwen3-0.6B --batch-sizes 1,4 --kv-cache-dtype fp8
@@ -23,6 +26,7 @@ import json
 import random
 import time
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -100,14 +104,21 @@ def random_prompts(rng: random.Random, count: int, length: int, vocab_size: int)
     return [[rng.randint(0, top) for _ in range(length)] for _ in range(count)]
 
 
-def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[dict], float]:
+    """The outputs of one generate call and its wall time in seconds."""
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     if any(len(o["token_ids"]) != max_tokens for o in outputs):
         raise RuntimeError(f"a request stopped before its {max_tokens} tokens")
-    return elapsed
+    return outputs, elapsed
+
+
+def spread_ms(seconds: list[float]) -> tuple[float, float, float]:
+    """Mean, p50 and p99 (linear interpolation between the nearest ranks), in ms."""
+    p50, p99 = np.percentile(seconds, [50, 99])
+    return float(np.mean(seconds)) * 1e3, float(p50) * 1e3, float(p99) * 1e3
 
 
 def measure(llm: LLM, args: argparse.Namespace, model: nn.Module, kv_bytes_per_token: int) -> list[dict]:
@@ -118,14 +129,15 @@ def measure(llm: LLM, args: argparse.Namespace, model: nn.Module, kv_bytes_per_t
     results = []
     for batch in args.batch_sizes:
         timed_generate(llm, random_prompts(rng, batch, args.input_len, vocab_size), 2)   # warm-up at this batch
-        ttft = timed_generate(llm, random_prompts(rng, batch, args.input_len, vocab_size), 1)
-        total = timed_generate(llm, random_prompts(rng, batch, args.input_len, vocab_size), args.output_len)
-        tpot = (total - ttft) / (args.output_len - 1)
+        outputs, wall = timed_generate(llm, random_prompts(rng, batch, args.input_len, vocab_size), args.output_len)
+        ttft_ms, ttft_p50_ms, ttft_p99_ms = spread_ms([o["metrics"]["time_to_first_token"] for o in outputs])
+        tpot_ms, tpot_p50_ms, tpot_p99_ms = spread_ms([o["metrics"]["time_per_output_token"] for o in outputs])
         step_bytes = decode_weight_bytes(model, batch) + batch * mean_context * kv_bytes_per_token
-        floor = step_bytes / bandwidth
-        results.append(dict(batch_size=batch, ttft_ms=ttft * 1e3, tpot_ms=tpot * 1e3,
-                            tok_per_s=batch * args.output_len / total, floor_ms=floor * 1e3,
-                            step_bytes=step_bytes, pct_of_floor=100 * floor / tpot))
+        floor_ms = step_bytes / bandwidth * 1e3
+        results.append(dict(batch_size=batch, ttft_ms=ttft_ms, ttft_p50_ms=ttft_p50_ms, ttft_p99_ms=ttft_p99_ms,
+                            tpot_ms=tpot_ms, tpot_p50_ms=tpot_p50_ms, tpot_p99_ms=tpot_p99_ms,
+                            tok_per_s=batch * args.output_len / wall, wall_ms=wall * 1e3, floor_ms=floor_ms,
+                            step_bytes=step_bytes, pct_of_floor=100 * floor_ms / tpot_ms))
     return results
 
 

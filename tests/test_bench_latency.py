@@ -47,9 +47,32 @@ def test_floor_counts_the_weights_and_kv_the_step_reads(report):
         step_bytes = data["weight_bytes"] + r["batch_size"] * mean_context * data["kv_bytes_per_token"]
         assert r["floor_ms"] == pytest.approx(step_bytes / 3.0e12 * 1e3)
         assert r["pct_of_floor"] == pytest.approx(100 * r["floor_ms"] / r["tpot_ms"])
-        assert r["ttft_ms"] > 0 and r["tpot_ms"] > 0
-        total_s = (r["ttft_ms"] + (OUTPUT_LEN - 1) * r["tpot_ms"]) / 1e3
-        assert r["tok_per_s"] == pytest.approx(r["batch_size"] * OUTPUT_LEN / total_s)
+
+
+def test_timings_of_the_one_timed_run_are_positive_and_agree(report):
+    """Every figure comes from one run, so these hold however loaded the machine is."""
+    for r in json.loads(report[-1])["results"]:
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["ttft_ms"] > 0
+        assert 0 < r["tpot_p50_ms"] <= r["tpot_p99_ms"] and r["tpot_ms"] > 0
+        assert r["tok_per_s"] == pytest.approx(r["batch_size"] * OUTPUT_LEN / (r["wall_ms"] / 1e3))
+        # a request's TTFT + (n - 1) TPOT is its arrival-to-finish time, inside the timed call;
+        # the slack is float rounding of the perf_counter differences
+        assert r["ttft_ms"] + (OUTPUT_LEN - 1) * r["tpot_ms"] <= r["wall_ms"] + 1e-6
+    one, two = json.loads(report[-1])["results"]
+    # one request: its own figures are the mean and every percentile
+    assert one["ttft_ms"] == one["ttft_p50_ms"] == one["ttft_p99_ms"]
+    assert one["tpot_ms"] == one["tpot_p50_ms"] == one["tpot_p99_ms"]
+    # two requests: the median is the midpoint, the mean
+    assert two["ttft_p50_ms"] == pytest.approx(two["ttft_ms"]) and two["tpot_p50_ms"] == pytest.approx(two["tpot_ms"])
+
+
+def test_spread_is_mean_median_and_99th_percentile_in_ms():
+    seconds = [0.004, 0.001, 0.1, 0.003, 0.002]
+    mean, p50, p99 = bench_latency.spread_ms(seconds)
+    assert min(seconds) * 1e3 < mean < max(seconds) * 1e3
+    assert mean == pytest.approx(22.0) and p50 == pytest.approx(3.0)
+    # rank 0.99 * 4 = 3.96 of the sorted values: 4 ms plus 0.96 of the way to 100 ms
+    assert p99 == pytest.approx(4.0 + 0.96 * 96.0)
 
 
 def test_untied_input_embedding_is_not_a_decode_read():
