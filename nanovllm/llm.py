@@ -17,7 +17,7 @@ from nanovllm.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingPar
 
 
 class LLM:
-    """An offline engine over one Hugging Face checkpoint of a supported family (see README)."""
+    """An offline engine over one Hugging Face checkpoint of a supported family (docs/models.md)."""
 
     def __init__(self, model: str, **engine_args):
         self.engine = LLMEngine(model, **engine_args)

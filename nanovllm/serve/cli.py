@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="how the model writes its calls (hermes: Qwen's <tool_call> JSON)")
     chat.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                       help="move <think>...</think> into message.reasoning_content")
-    engine = parser.add_argument_group("engine arguments (see README)")
+    engine = parser.add_argument_group("engine arguments (docs/engine_args.md)")
     for field in engine_arg_fields():
         flag = "--" + field.name.replace("_", "-")
         kind = _flag_type(field)
