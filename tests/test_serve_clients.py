@@ -1,5 +1,10 @@
 """What existing clients send beyond completions and chat: vLLM's /tokenize and /detokenize, judged
-against the checkpoint's tokenizer; one live `python -m nanovllm.serve` on a tiny random model."""
+against the checkpoint's tokenizer, and request `priority`; one live `python -m nanovllm.serve
+--scheduling-policy priority --max-num-seqs 1` on a tiny random model."""
+import json
+import threading
+import time
+
 import httpx
 import pytest
 from transformers import AutoTokenizer
@@ -7,7 +12,9 @@ from transformers import AutoTokenizer
 from tests.test_serve import engine_flags, free_port, start_server, wait_ready
 
 MODEL_NAME = "tiny-qwen3"
-ENGINE_ARGS = dict(device="cpu", max_model_len=512, kvcache_block_size=16, num_kvcache_blocks=80)
+# one request runs at a time, so the order in which waiting requests are admitted shows in when they end
+ENGINE_ARGS = dict(device="cpu", max_model_len=512, kvcache_block_size=16, num_kvcache_blocks=80, max_num_seqs=1,
+                   scheduling_policy="priority")
 TEXT = "What is the capital of France? Paris is the capital of France."
 MESSAGES = [{"role": "system", "content": "Introduce yourself."},
             {"role": "user", "content": "List all prime numbers within 100."}]
@@ -111,3 +118,46 @@ def test_bad_bodies_are_400s_and_the_server_keeps_working(http, tokenizer, url, 
 def test_invalid_json_is_a_400(http):
     assert_error(http.post("/tokenize", content=b"{not json", headers={"content-type": "application/json"}),
                  400, None)
+
+
+def test_priority_in_request_bodies_orders_waiting_requests(http):
+    """While a long request holds the one running slot, a completion with priority 5 is queued, then
+    a chat completion with priority 0: the later one, with the lower value, is admitted (and ends)
+    first; a priority changes no output."""
+    ended: dict[str, float] = {}
+    texts: dict[str, str] = {}
+
+    def stream(name: str, url: str, body: dict, queued: threading.Event) -> None:
+        with http.stream("POST", url, json={**body, "stream": True, "temperature": 0, "ignore_eos": True}) as response:
+            assert response.status_code == 200
+            queued.set()                         # the headers come once the engine accepted the request
+            chunks = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+        ended[name] = time.monotonic()
+        texts[name] = "".join(piece for chunk in chunks[:-1] for piece in delta_texts(chunk))
+
+    requests = [("long", "/v1/completions", {"prompt": TEXT, "max_tokens": 100}),
+                ("low", "/v1/completions", {"prompt": TEXT, "max_tokens": 8, "priority": 5}),
+                ("high", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 8, "priority": 0})]
+    threads = []
+    for name, url, body in requests:
+        queued = threading.Event()
+        threads.append(threading.Thread(target=stream, args=(name, url, body, queued)))
+        threads[-1].start()
+        assert queued.wait(60)
+    for thread in threads:
+        thread.join(300)
+    assert ended["long"] < ended["high"] < ended["low"], ended
+    plain = http.post("/v1/completions", json={"prompt": TEXT, "max_tokens": 8, "temperature": 0,
+                                               "ignore_eos": True}).json()
+    assert texts["low"] == plain["choices"][0]["text"]
+
+
+def delta_texts(chunk: str) -> list[str]:
+    choices = json.loads(chunk)["choices"]
+    return [c.get("text") or c.get("delta", {}).get("content") or "" for c in choices]
+
+
+@pytest.mark.parametrize("priority", ["high", 1.5, None])
+def test_bad_priority_is_a_400(http, priority):
+    response = http.post("/v1/completions", json={"prompt": TEXT, "max_tokens": 1, "priority": priority})
+    assert "priority" in assert_error(response, 400, "priority")

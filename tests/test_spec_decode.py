@@ -79,7 +79,8 @@ def test_scheduler_reserves_slots_for_proposals_and_returns_the_unused():
     from nanovllm.engine.block_manager import BlockManager
     from nanovllm.engine.scheduler import Scheduler
     from nanovllm.engine.sequence import Sequence
-    config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, eos_token_ids=(1,))
+    config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, eos_token_ids=(1,),
+                             scheduling_policy="fcfs")
     sched = Scheduler(config, BlockManager(8, 4), FixedProposer([7, 8, 9, 10, 11]), num_speculative_tokens=5)
     seq = Sequence([3, 4, 5], SamplingParams(temperature=0, max_tokens=20))
     sched.add(seq)

@@ -26,6 +26,7 @@ from nanovllm.engine.structured_output import StructuredOutputManager
 from nanovllm.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 from nanovllm.spec_decode.draft_proposer import DraftProposer
 from nanovllm.spec_decode.ngram_proposer import NgramProposer
+from nanovllm.utils.validation import check_priority, priorities
 
 Prompt = str | list[int]
 
@@ -161,17 +162,20 @@ class LLMEngine:
         return self.structured
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                    request_id: Hashable | None = None) -> Hashable:
+                    request_id: Hashable | None = None, priority: int = 0) -> Hashable:
         """Queue one request; returns its id (the `request_id` of its output): the one given, or a
-        new int. Everything is checked before anything is queued."""
+        new int. `priority`: lower first, under scheduling_policy="priority". Everything is checked
+        before anything is queued."""
         self._check_running()
         sampling_params = self.check_sampling_params(sampling_params or SamplingParams())
+        check_priority(priority)
         if request_id is not None and request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        return self._add(self.encode_prompt(prompt), sampling_params, request_id)
+        return self._add(self.encode_prompt(prompt), sampling_params, request_id, priority)
 
-    def _add(self, token_ids: list[int], sampling_params: SamplingParams, request_id: Hashable | None = None):
-        seq = Sequence(token_ids, sampling_params, request_id)
+    def _add(self, token_ids: list[int], sampling_params: SamplingParams, request_id: Hashable | None = None,
+             priority: int = 0):
+        seq = Sequence(token_ids, sampling_params, request_id, priority)
         if sampling_params.structured_outputs is not None:
             seq.grammar = self.structured.new_grammar(sampling_params.structured_outputs, sampling_params.ignore_eos)
         self.requests[seq.request_id] = seq
@@ -457,14 +461,17 @@ class LLMEngine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def generate(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
-        """Generate for every prompt; outputs come back in prompt order. If anything interrupts the
-        call, its requests are aborted and the engine stays usable."""
+                 use_tqdm: bool = True, priority: int | list[int] = 0) -> list[dict]:
+        """Generate for every prompt; outputs come back in prompt order. `priority`: one for all
+        prompts or one per prompt (see add_request). If anything interrupts the call, its requests
+        are aborted and the engine stays usable."""
         self._check_running()
         # validate everything before any work starts, so a bad request leaves the engine untouched
         requests = [(self.encode_prompt(p), self.check_sampling_params(sp))
                     for p, sp in pair_prompts_with_params(prompts, sampling_params)]
-        return self._run_until_done([self._add(token_ids, sp) for token_ids, sp in requests], use_tqdm)
+        ranks = priorities(priority, len(requests))
+        return self._run_until_done([self._add(token_ids, sp, priority=rank)
+                                     for (token_ids, sp), rank in zip(requests, ranks)], use_tqdm)
 
     def beam_search(self, prompts: list[Prompt], params: BeamSearchParams, use_tqdm: bool = False) -> list[dict]:
         """Beam search for every prompt (see engine/beam_search.py); one dict per prompt, in order,

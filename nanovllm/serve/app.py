@@ -100,7 +100,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
                       "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens",
                       "prompt" if isinstance(request, CompletionRequest) else "messages")
         try:
-            return await start_choices(llm, prompts, params)
+            return await start_choices(llm, prompts, params, request.priority)
         except (ValueError, TypeError) as e:
             if constraint is not None and str(e).startswith("structured_outputs"):
                 raise APIError(400, f"{constraint.field}: {e}", param=constraint.field)    # e.g. a schema xgrammar refuses

@@ -67,6 +67,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    priority: StrictInt = 0         # lower first, when the server runs with --scheduling-policy priority
     # accepted only at their neutral value: nanovllm has no penalties
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
