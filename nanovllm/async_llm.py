@@ -230,9 +230,10 @@ class AsyncLLM:
         return self._error is None and not self._closed
 
     async def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                          request_id: Hashable | None = None) -> RequestStream:
+                          request_id: Hashable | None = None, priority: int = 0) -> RequestStream:
         """Queue a request; returns once the engine accepted it. Bad input raises here (ValueError
-        or TypeError naming the argument), as does a duplicate live request_id."""
+        or TypeError naming the argument), as does a duplicate live request_id. `priority`: lower
+        first, under scheduling_policy="priority"."""
         request_id = uuid.uuid4().hex if request_id is None else request_id
         try:
             hash(request_id)
@@ -244,7 +245,7 @@ class AsyncLLM:
             if request_id in self._deliveries:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._deliveries[request_id] = delivery
-        self._commands.put(AddRequest(request_id, prompt, sampling_params))
+        self._commands.put(AddRequest(request_id, prompt, sampling_params, priority))
         try:
             first = await delivery.queue.get()
         except asyncio.CancelledError:
@@ -255,7 +256,7 @@ class AsyncLLM:
         return RequestStream(self, request_id, delivery)
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                       request_id: Hashable | None = None) -> AsyncIterator[dict]:
+                       request_id: Hashable | None = None, priority: int = 0) -> AsyncIterator[dict]:
         """Yield the request's progress as tokens arrive: `delta_text`, `delta_token_ids`, the
         cumulative `text` and `token_ids`, `finished`, `finish_reason`; `delta_logprobs` (the new
         tokens' logprobs, when asked for, else None); the last one also carries the fields of the
@@ -265,7 +266,7 @@ class AsyncLLM:
         n is 1): the text and token fields are that completion's, `finish_reason` is set on the
         output that ends it, and `finished` only on the last output of the request, once all n
         completions ended. Leaving the loop early aborts the request (all n completions)."""
-        stream = await self.add_request(prompt, sampling_params, request_id)
+        stream = await self.add_request(prompt, sampling_params, request_id, priority)
         with stream:
             async for out in stream:
                 yield out

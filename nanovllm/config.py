@@ -1,7 +1,7 @@
 """Engine configuration: every engine argument in one place, validated once."""
 import glob
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
@@ -9,6 +9,7 @@ from transformers import AutoConfig, PretrainedConfig
 from nanovllm.models.model_config import ModelConfig
 from nanovllm.models.registry import read_model_config
 from nanovllm.speculative_config import SpeculativeConfig
+from nanovllm.utils.hub import resolve_model
 from nanovllm.utils.validation import check_int, check_number
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -33,6 +34,9 @@ class Config:
     speculative_config: dict | SpeculativeConfig | None = None   # e.g. {"method": "ngram", "num_speculative_tokens": 4}
     kv_offload_gib: float = 0.0           # host memory for evicted prefix-cache blocks (all ranks); 0: none
     quantization: str | None = None       # None: as the checkpoint is; "fp8": quantize a 16-bit one while loading
+    scheduling_policy: str = "fcfs"       # "priority": requests by (priority, arrival); "fcfs" ignores priority
+    revision: str | None = None           # a Hugging Face repo id's branch, tag or commit (None: main)
+    download_dir: str | None = None       # where repo ids are downloaded (None: the Hugging Face cache)
     # Derived from the arguments and the checkpoint, not passed by users.
     hf_config: PretrainedConfig = field(init=False, repr=False)
     model_config: ModelConfig = field(init=False, repr=False)
@@ -48,7 +52,10 @@ class Config:
         return cls(model, **engine_args)
 
     def __post_init__(self):
-        self.model = os.path.expanduser(str(self.model))
+        for name in ("revision", "download_dir"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a str or None, got {getattr(self, name)!r}")
+        self.model = resolve_model(str(self.model), self.revision, self.download_dir)
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         self.hf_config = load_hf_config(self.model, needs_weights=self.load_format == "auto")
@@ -72,13 +79,14 @@ class Config:
         """A draft must be a family we run, with the target's vocabulary (proposals are token ids)."""
         spec = self.speculative_config
         try:
-            draft = read_model_config(load_hf_config(os.path.expanduser(spec.model),
-                                                     needs_weights=self.load_format == "auto"))
+            path = resolve_model(spec.model, spec.revision, self.download_dir)
+            draft = read_model_config(load_hf_config(path, needs_weights=self.load_format == "auto"))
         except ValueError as error:
             raise ValueError(f"speculative_config: draft {error}") from None
         if draft.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens) differs "
                              f"from the target's ({self.model_config.vocab_size})")
+        self.speculative_config = replace(spec, model=path)   # the draft's engine reads the directory
 
     def _check_device(self):
         if self.device not in ("auto", "cuda", "cpu"):
@@ -124,6 +132,8 @@ class Config:
                 f"num_kvcache_blocks must be -1 (size from memory) or at least {self.min_kvcache_blocks} "
                 f"(one sequence of max_model_len={self.max_model_len}), got {self.num_kvcache_blocks}")
         check_number("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         for name in ("enable_prefix_caching", "enforce_eager"):
@@ -181,7 +191,7 @@ def available_host_memory_bytes() -> int:
 def load_hf_config(model: str, needs_weights: bool = True) -> PretrainedConfig:
     """The checkpoint's config.json as transformers reads it; `read_model_config` says if we can run it."""
     if not os.path.isdir(model):
-        raise ValueError(f"model: {model!r} is not a local directory (nanovllm loads local checkpoints only)")
+        raise ValueError(f"model: {model!r} is not a local directory")
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ValueError(f"model: {model!r} has no config.json")
     if needs_weights and not glob.glob(os.path.join(model, "*.safetensors")):

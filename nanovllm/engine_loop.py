@@ -48,6 +48,7 @@ class AddRequest:
     request_id: Hashable
     prompt: Prompt
     sampling_params: SamplingParams | None
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -128,7 +129,7 @@ class EngineLoop:
 
     def _add(self, command: AddRequest) -> None:
         try:
-            self.engine.add_request(command.prompt, command.sampling_params, command.request_id)
+            self.engine.add_request(command.prompt, command.sampling_params, command.request_id, command.priority)
         except Exception as e:              # bad input: only this caller hears of it
             self._items.append((REFUSED, command.request_id, portable_exception(e)))
             return

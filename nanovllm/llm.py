@@ -14,6 +14,7 @@ from nanovllm.engine.chat_template import Message
 from nanovllm.engine.input_processor import Prompt, check_prompt_list, pair_prompts_with_params
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
+from nanovllm.utils.validation import priorities
 
 
 class LLM:
@@ -45,15 +46,18 @@ class LLM:
         self.shutdown()
 
     def generate(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
-        """Generate for every prompt; outputs come back in prompt order. If anything interrupts the
-        call, its requests are aborted and the engine stays usable."""
+                 use_tqdm: bool = True, priority: int | list[int] = 0) -> list[dict]:
+        """Generate for every prompt; outputs come back in prompt order. `priority`: one for all
+        prompts or one per prompt (lower first, under scheduling_policy="priority"). If anything
+        interrupts the call, its requests are aborted and the engine stays usable."""
         engine = self.engine
         engine.check_running()
         # validate everything before any work starts, so a bad request leaves the engine untouched
         requests = [(engine.inputs.encode_prompt(p), engine.inputs.check_sampling_params(sp))
                     for p, sp in pair_prompts_with_params(prompts, sampling_params)]
-        return self._run_until_done([engine.add_checked(token_ids, sp) for token_ids, sp in requests], use_tqdm)
+        ranks = priorities(priority, len(requests))
+        return self._run_until_done([engine.add_checked(token_ids, sp, priority=rank)
+                                     for (token_ids, sp), rank in zip(requests, ranks)], use_tqdm)
 
     def beam_search(self, prompts: list[Prompt], params: BeamSearchParams, use_tqdm: bool = False) -> list[dict]:
         """Beam search for every prompt (see engine/beam_search.py); one dict per prompt, in order,

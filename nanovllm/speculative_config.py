@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 
 NGRAM_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
-DRAFT_KEYS = {"method", "model", "num_speculative_tokens"}
+DRAFT_KEYS = {"method", "model", "num_speculative_tokens", "revision"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -11,7 +11,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int    # k: proposals verified per step
     prompt_lookup_max: int = 4     # ngram: longest suffix matched
     prompt_lookup_min: int = 1     # ngram: shortest suffix matched
-    model: str | None = None       # draft_model: its checkpoint directory (same vocabulary as the target)
+    model: str | None = None       # draft_model: its checkpoint directory or Hugging Face repo id (same vocabulary)
+    revision: str | None = None    # draft_model: the repo id's branch, tag or commit
 
     @classmethod
     def from_dict(cls, config) -> "SpeculativeConfig":
@@ -34,8 +35,10 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: num_speculative_tokens is required")
         if method == "draft_model":
             if not isinstance(config.get("model"), str):
-                raise ValueError("speculative_config: model must be a checkpoint directory, "
+                raise ValueError("speculative_config: model must be a checkpoint directory or repo id, "
                                  f"got {config.get('model')!r}")
+            if not isinstance(config.get("revision", ""), str):
+                raise ValueError(f"speculative_config: revision must be a str, got {config['revision']!r}")
             values = {"num_speculative_tokens": config["num_speculative_tokens"]}
         else:
             values = {key: config.get(key, default) for key, default in
@@ -46,4 +49,4 @@ class SpeculativeConfig:
         if method == "ngram" and values["prompt_lookup_min"] > values["prompt_lookup_max"]:
             raise ValueError(f"speculative_config: prompt_lookup_min ({values['prompt_lookup_min']}) must be <= "
                              f"prompt_lookup_max ({values['prompt_lookup_max']})")
-        return cls(method, **values, model=config.get("model"))
+        return cls(method, **values, model=config.get("model"), revision=config.get("revision"))

@@ -18,9 +18,10 @@ EOS = 1
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
-                   max_model_len=256, eos_token_ids=(EOS,)) -> Scheduler:
+                   max_model_len=256, eos_token_ids=(EOS,), scheduling_policy="fcfs") -> Scheduler:
     config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             max_model_len=max_model_len, eos_token_ids=eos_token_ids)
+                             max_model_len=max_model_len, eos_token_ids=eos_token_ids,
+                             scheduling_policy=scheduling_policy)
     return Scheduler(config, BlockManager(num_blocks, block_size))
 
 
@@ -328,3 +329,74 @@ def test_overlapped_steps_match_the_plain_loop():
     assert sched.num_preemptions > 0 and any(s.num_cached_tokens for s in seqs)
     assert sum(s.finish_reason == "stop" for s in seqs) >= 3
     assert sched.block_manager.num_used_blocks == 0
+
+
+def prioritized(prompts_and_priorities, **params) -> list[Sequence]:
+    return [Sequence(prompt, SamplingParams(**params), priority=priority) for prompt, priority in prompts_and_priorities]
+
+
+def admission_order(sched: Scheduler, late: dict | None = None) -> list[Sequence]:
+    """Run to the end; the sequences in the order they were first scheduled. late: {step: seq} adds
+    seq after that step."""
+    admitted = []
+
+    def on_step(i, batch, sampled):
+        admitted.extend(s for s in batch.seqs if s not in admitted)
+        if late and i in late:
+            sched.add(late[i])
+
+    run(sched, on_step=on_step)
+    return admitted
+
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    """One request runs at a time: under "priority" they are admitted by (priority, arrival), a late
+    arrival with the lowest value included (it jumps the queue, not the request running); under
+    "fcfs" in arrival order whatever their priority. Outputs are the reference's either way."""
+    rng = random.Random(2)
+    specs = [([rng.randrange(3, 100) for _ in range(rng.randint(1, 9))], rng.choice([-1, 0, 0, 3, 7]))
+             for _ in range(10)]
+    late_spec = ([5, 6, 7], -5)
+    for policy in ("priority", "fcfs"):
+        sched = make_scheduler(max_num_seqs=1, scheduling_policy=policy)
+        seqs = prioritized(specs, max_tokens=3)
+        (late,) = prioritized([late_spec], max_tokens=3)
+        for seq in seqs:
+            sched.add(seq)
+        # each request takes 3 steps: the late one arrives while the second admitted one runs
+        admitted = admission_order(sched, late={4: late})
+        if policy == "priority":
+            expected = sorted(seqs, key=lambda s: (s.priority, seqs.index(s)))
+            assert expected != seqs                              # the priorities do reorder
+            assert admitted == expected[:2] + [late] + expected[2:]
+        else:
+            assert admitted == seqs + [late]
+        for seq in seqs + [late]:
+            assert seq.completion_token_ids == reference_output(seq.token_ids[:seq.num_prompt_tokens], 3)
+
+
+def test_priority_preemption_takes_the_largest_priority_value():
+    """As test_pool_exhaustion_preempts_the_newest_running_sequence, with priorities a=0, b=5, c=1:
+    running is [a, c, b], and when the pool runs dry b (the largest value) is preempted, though c
+    was admitted after it under fcfs order. Among equal values the latest arrival goes first."""
+    for priorities, victim in (((0, 5, 1), 1), ((0, 1, 1), 2), ((2, 2, 2), 2)):
+        sched = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=3, max_num_batched_tokens=16,
+                               scheduling_policy="priority")
+        seqs = prioritized([([10 + i, 20, 30], p) for i, p in enumerate(priorities)], max_tokens=6)
+        for seq in seqs:
+            sched.add(seq)
+        kv = {}
+        order = sorted(seqs, key=lambda s: (s.priority, seqs.index(s)))
+        batch, _ = step(sched, kv)
+        assert batch.seqs == order
+        step(sched, kv)                              # decode: the first block of each fills up
+        batch = sched.schedule()
+        preempted = seqs[victim]
+        assert batch.seqs == [s for s in order if s is not preempted]
+        assert preempted.status == SequenceStatus.WAITING and preempted.block_table == []
+        assert sched.num_preemptions == 1 and list(sched.waiting) == [preempted]
+        record(sched, batch, fake_model(sched, batch, kv))
+        run(sched, kv)
+        for seq in seqs:
+            assert seq.completion_token_ids == reference_output(seq.token_ids[:3], 6)
+        assert sched.block_manager.num_used_blocks == 0

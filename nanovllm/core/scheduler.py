@@ -3,7 +3,10 @@
 Prefill comes first: a step continues a prompt that is being chunked, then admits waiting
 requests in arrival order while the token and sequence budgets and the KV pool allow. With no
 prefill work, every running sequence decodes one token; when the pool runs dry the most recently
-admitted sequence is preempted (its blocks freed, its tokens recomputed later).
+admitted sequence is preempted (its blocks freed, its tokens recomputed later). Under
+scheduling_policy="priority", "arrival order" and "most recently admitted" read "by (priority,
+arrival)": waiting requests are admitted lowest value first, and running stays in that order, so
+that preemption takes the largest priority value (the latest arrival among equals).
 
 A step is recorded in two halves, because the engine schedules the next step before this one's
 tokens are back: advance (what the step computes, with a pending token per sampled sequence), then
@@ -19,6 +22,7 @@ sequence's end go back to the pool (fill_verified). Proposals need every token o
 engine collects each step before scheduling the next while the batch is small enough to speculate.
 The scheduler itself launches nothing.
 """
+from bisect import insort
 from collections import deque
 from collections.abc import Callable
 
@@ -26,6 +30,10 @@ from nanovllm.config import Config
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.core.step import SPECULATION_MAX_RUNNING, ScheduledBatch
+
+def priority_key(seq: Sequence) -> tuple[int, float]:
+    return seq.priority, seq.arrival_time
+
 
 class Scheduler:
     def __init__(self, config: Config, block_manager: BlockManager, num_speculative_tokens: int = 0):
@@ -35,7 +43,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []   # in admission order
+        self.running: list[Sequence] = []   # in admission order (by priority_key under "priority")
+        self.by_priority = config.scheduling_policy == "priority"
         self.num_preemptions = 0
         # cumulative counters, for metrics
         self.num_prompt_tokens = self.num_generation_tokens = 0
@@ -71,7 +80,7 @@ class Scheduler:
                     batch.seqs.append(seq)
                     batch.num_new_tokens.append(n)
                     budget -= n
-        for seq in list(self.waiting):
+        for seq in sorted(self.waiting, key=priority_key) if self.by_priority else list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             if seq.beam_candidates is not None:
@@ -97,7 +106,10 @@ class Scheduler:
                 self.prefix_cache_host_hits += bm.num_host_hits(cached_prefix) * bm.block_size
             seq.status = SequenceStatus.RUNNING
             self.waiting.remove(seq)
-            self.running.append(seq)
+            if self.by_priority:
+                insort(self.running, seq, key=priority_key)
+            else:
+                self.running.append(seq)
             if n == 0:                                 # all it had to prefill was cached
                 self._fork(seq)
                 continue
@@ -144,7 +156,7 @@ class Scheduler:
             else:
                 popped = self._preempt_idle()
                 if popped < 0:
-                    self._preempt(self.running.pop())  # newest first; may be seq itself
+                    self._preempt(self.running.pop())  # newest (or lowest priority) first; may be seq itself
                 elif popped < i:
                     i -= 1
         batch.num_new_tokens = [1] * len(batch.seqs)

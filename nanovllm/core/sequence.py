@@ -21,12 +21,13 @@ class SequenceStatus(Enum):
 class Sequence:
     _ids = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, request_id=None):
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, request_id=None, priority: int = 0):
         self.seq_id = next(Sequence._ids)
         self.request_id = self.seq_id if request_id is None else request_id
         self.token_ids = list(token_ids)  # real ids only: prompt, then every collected token
         self.num_prompt_tokens = len(token_ids)
         self.sampling_params = sampling_params
+        self.priority = priority          # lower first, under scheduling_policy="priority"
         self.status = SequenceStatus.WAITING
         # Row of the in-flight step's sampler output that holds this sequence's next token, which the
         # host has not collected yet (the next step reads it on the device); None when there is none.

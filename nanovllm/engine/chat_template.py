@@ -9,10 +9,12 @@ RESERVED_TEMPLATE_ARGS = frozenset({"conversation", "tools", "tokenize", "return
 
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[Message], model: str,
-                        tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
+                        tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+                        add_special_tokens: bool = False) -> list[int]:
     """Token ids of one conversation under the tokenizer's chat template, ready for the reply. The
     template renders `tools` (OpenAI's function definitions) and reads `chat_template_kwargs` (such
-    as Qwen3's enable_thinking)."""
+    as Qwen3's enable_thinking). The template writes the special tokens it wants; add_special_tokens
+    adds the tokenizer's own (e.g. a BOS) on top, as vLLM's /tokenize may be asked to."""
     if tokenizer.chat_template is None:
         raise ValueError(f"messages: the tokenizer of {model!r} has no chat template")
     if not isinstance(messages, (list, tuple)) or not messages or not all(map(_is_message, messages)):
@@ -29,7 +31,7 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[Messa
     kwargs.setdefault("add_generation_prompt", True)
     text = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
                                          **kwargs)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _is_message(message) -> bool:

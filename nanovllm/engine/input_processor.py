@@ -75,9 +75,9 @@ class InputProcessor:
         return sampling_params
 
     def new_sequence(self, token_ids: list[int], sampling_params: SamplingParams,
-                     request_id: Hashable | None = None) -> Sequence:
+                     request_id: Hashable | None = None, priority: int = 0) -> Sequence:
         """The first sequence of a checked request, with its grammar if it is constrained."""
-        seq = Sequence(token_ids, sampling_params, request_id)
+        seq = Sequence(token_ids, sampling_params, request_id, priority)
         if sampling_params.structured_outputs is not None:
             seq.grammar = self.grammars().new_grammar(sampling_params.structured_outputs, sampling_params.ignore_eos)
         return seq

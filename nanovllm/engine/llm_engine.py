@@ -19,6 +19,7 @@ from nanovllm.engine.input_processor import InputProcessor, Prompt
 from nanovllm.engine.output_processor import OutputProcessor, RequestUpdate
 from nanovllm.engine.grammars import StructuredOutputManager
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.validation import check_priority
 
 
 class LLMEngine:
@@ -60,19 +61,21 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------------
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                    request_id: Hashable | None = None) -> Hashable:
+                    request_id: Hashable | None = None, priority: int = 0) -> Hashable:
         """Queue one request; returns its id (the `request_id` of its output): the one given, or a
-        new int. Everything is checked before anything is queued."""
+        new int. `priority`: lower first, under scheduling_policy="priority". Everything is checked
+        before anything is queued."""
         self.check_running()
         sampling_params = self.inputs.check_sampling_params(sampling_params or SamplingParams())
+        check_priority(priority)
         if request_id is not None and request_id in self.core.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        return self.add_checked(self.inputs.encode_prompt(prompt), sampling_params, request_id)
+        return self.add_checked(self.inputs.encode_prompt(prompt), sampling_params, request_id, priority)
 
     def add_checked(self, token_ids: list[int], sampling_params: SamplingParams,
-                    request_id: Hashable | None = None) -> Hashable:
+                    request_id: Hashable | None = None, priority: int = 0) -> Hashable:
         """Queue a request whose prompt and parameters were checked already."""
-        seq = self.inputs.new_sequence(token_ids, sampling_params, request_id)
+        seq = self.inputs.new_sequence(token_ids, sampling_params, request_id, priority)
         self.core.add(seq)
         return seq.request_id
 

@@ -8,14 +8,17 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
+from pydantic import ValidationError
 
 from nanovllm.async_llm import AsyncLLM, EngineClosedError, EngineDeadError
+from nanovllm.engine.chat_template import apply_chat_template
 from nanovllm.serve.chat_output import ChatOutputParsing
 from nanovllm.serve.choices import merge_choices, start_choices
 from nanovllm.serve.constraints import Constraint, output_constraint
 from nanovllm.serve.errors import APIError, error_body, error_response, install_error_handlers, request_field_error
 from nanovllm.serve.metrics import ServerMetrics
-from nanovllm.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from nanovllm.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
+                                    TokenizeChatRequest, TokenizeCompletionRequest)
 from nanovllm.serve.responses import ResponseBuilder, sse
 from nanovllm.serve.sampling import sampling_params
 
@@ -97,7 +100,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
                       "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens",
                       "prompt" if isinstance(request, CompletionRequest) else "messages")
         try:
-            return await start_choices(llm, prompts, params)
+            return await start_choices(llm, prompts, params, request.priority)
         except (ValueError, TypeError) as e:
             if constraint is not None and str(e).startswith("structured_outputs"):
                 raise APIError(400, f"{constraint.field}: {e}", param=constraint.field)    # e.g. a schema xgrammar refuses
@@ -165,6 +168,50 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
         parsing = ChatOutputParsing.for_request(request, constraint is not None, tool_call_parser, reasoning_parser)
         builder = ResponseBuilder(True, served_model_name, llm.tokenizer, request.num_logprobs, parsing)
         return await respond(http_request, request, builder, streams)
+
+    @app.post("/tokenize")
+    async def tokenize(http_request: Request) -> dict:
+        """vLLM's: a prompt, or a conversation under the chat template, as token ids."""
+        try:
+            body = await http_request.json()
+        except ValueError as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}")
+        kind = TokenizeChatRequest if isinstance(body, dict) and "messages" in body else TokenizeCompletionRequest
+        try:
+            request = kind.model_validate(body)
+        except ValidationError as e:         # the body type is picked by hand, so its errors are reported here
+            first = e.errors()[0]
+            loc = [str(part) for part in first["loc"]]
+            message = first["msg"].removeprefix("Value error, ")
+            named = message.split()[0] if message.split()[0] in kind.model_fields else None
+            raise APIError(400, f"{'.'.join(loc)}: {message}" if loc else message, loc[0] if loc else named)
+        check_model(request.model)
+        if isinstance(request, TokenizeCompletionRequest):
+            tokens = llm.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        else:
+            tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
+            kwargs = {**(request.chat_template_kwargs or {}), "add_generation_prompt": request.add_generation_prompt,
+                      "continue_final_message": request.continue_final_message}
+            try:
+                tokens = apply_chat_template(llm.tokenizer, [m.for_template() for m in request.messages],
+                                             llm.config.model, tools, kwargs, request.add_special_tokens)
+            except (ValueError, TypeError, TemplateError) as e:
+                error = request_field_error(e)
+                raise APIError(400, error.message, error.param or "messages")
+        response = {"count": len(tokens), "max_model_len": llm.config.max_model_len, "tokens": tokens}
+        if request.return_token_strs:
+            response["token_strs"] = llm.tokenizer.convert_ids_to_tokens(tokens)
+        return response
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> dict:
+        check_model(request.model)
+        vocab_size = len(llm.tokenizer)
+        outside = [t for t in request.tokens if not 0 <= t < vocab_size]
+        if outside:
+            raise APIError(400, f"tokens: ids {outside[:8]} are outside the vocabulary [0, {vocab_size})",
+                           param="tokens")
+        return {"prompt": llm.tokenizer.decode(request.tokens)}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

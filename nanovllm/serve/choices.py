@@ -11,9 +11,10 @@ from nanovllm.async_llm import AsyncLLM, RequestStream
 from nanovllm.sampling_params import SamplingParams
 
 
-async def start_choices(llm: AsyncLLM, prompts: list, params: SamplingParams) -> list[RequestStream]:
+async def start_choices(llm: AsyncLLM, prompts: list, params: SamplingParams, priority: int = 0) -> list[RequestStream]:
     """Add every prompt's request at once; if any is refused, abort the others and raise its error."""
-    started = await asyncio.gather(*(llm.add_request(prompt, params) for prompt in prompts), return_exceptions=True)
+    started = await asyncio.gather(*(llm.add_request(prompt, params, priority=priority) for prompt in prompts),
+                                   return_exceptions=True)
     streams = [s for s in started if isinstance(s, RequestStream)]
     errors = [e for e in started if isinstance(e, BaseException)]
     if errors:

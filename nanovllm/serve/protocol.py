@@ -67,6 +67,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    priority: StrictInt = 0         # lower first, when the server runs with --scheduling-policy priority
     # accepted only at their neutral value: nanovllm has no penalties
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -225,3 +226,37 @@ class ChatCompletionRequest(SamplingFields):
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs: None, or how many alternatives beside the chosen token."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's /tokenize body for a prompt."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: StrictStr
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's /tokenize body for a conversation: the ids a chat completion would be prompted with."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False            # the template writes them
+    return_token_strs: bool = False
+    tools: list[ChatCompletionTool] | None = None
+    chat_template_kwargs: dict | None = None
+
+    @model_validator(mode="after")
+    def _generation_prompt_or_continuation(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: TokenIds

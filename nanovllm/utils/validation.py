@@ -22,3 +22,19 @@ def check_number(name: str, value, low: float, high: float | None = None, low_op
         else:
             allowed = f"in {'(' if low_open else '['}{low}, {high}]"
         raise ValueError(f"{name} must be {allowed}, got {value}")
+
+
+def check_priority(priority) -> None:
+    """A request priority: any int (lower first under scheduling_policy="priority")."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise TypeError(f"priority must be an int, got {priority!r}")
+
+
+def priorities(priority, num_requests: int) -> list[int]:
+    """A priority per request, from one int for all or a list of one per request."""
+    values = list(priority) if isinstance(priority, (list, tuple)) else [priority] * num_requests
+    if len(values) != num_requests:
+        raise ValueError(f"priority has {len(values)} entries for {num_requests} prompts")
+    for value in values:
+        check_priority(value)
+    return values
