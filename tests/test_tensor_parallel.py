@@ -5,11 +5,13 @@ import os
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.checkpoints.random_checkpoint import write_tiny_model
+from nanovllm.executor.processes import WorkerCall
 from tests.conftest import mixed_prompts
 
 pytestmark = pytest.mark.skipif(
@@ -124,3 +126,19 @@ def test_interrupts_on_the_tensor_parallel_path(model_paths, hf_greedy, monkeypa
         assert_consistent(llm)
         assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     assert not mp.active_children()
+
+
+def test_collective_rpc_runs_a_worker_method_on_every_rank(model_paths):
+    """The executor's seam for work beyond steps (weight updates, sleep): a Worker method runs on
+    every rank with the same arguments, results in rank order; a call that fails on a worker
+    process answers with its traceback, and the pipe and the engine keep serving."""
+    with LLM(model_paths["gqa_tied"], tensor_parallel_size=2, kvcache_block_size=16) as llm:
+        executor = llm.engine.core.executor
+        copies = executor.collective_rpc("host_to_device", np.arange(3))
+        assert len(copies) == 2 and all(copy.tolist() == [0, 1, 2] for copy in copies)
+        rank1 = executor.processes[0]
+        rank1.send(WorkerCall("host_to_device", ("not an array",)))
+        status, trace = rank1.answer()
+        assert status == "error" and "TypeError" in trace
+        assert [copy.tolist() for copy in executor.collective_rpc("host_to_device", np.arange(2))] == [[0, 1]] * 2
+        assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]["token_ids"]

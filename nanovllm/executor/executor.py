@@ -19,8 +19,8 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.core.sequence import Sequence
 from nanovllm.core.step import ScheduledBatch, StepInputs
-from nanovllm.executor.processes import (LOADED, WorkerProcess, deferred_keyboard_interrupt, start_worker_processes,
-                                         stop_worker_processes)
+from nanovllm.executor.processes import (LOADED, WorkerCall, WorkerProcess, deferred_keyboard_interrupt,
+                                         start_worker_processes, stop_worker_processes)
 from nanovllm.executor.sampling_inputs import build_sampling_tensors, logprobs_by_row
 from nanovllm.executor.step_inputs import build_step_inputs
 from nanovllm.sample.sampler import SamplerOutput, SamplingTensors
@@ -67,6 +67,24 @@ class Executor:
     @property
     def num_host_blocks(self) -> int:
         return self.driver.host_kv_cache.num_blocks if self.driver.host_kv_cache else 0
+
+    def collective_rpc(self, method: str, *args, **kwargs) -> list:
+        """Run a Worker method on every rank (rank 0 here, the others in their processes, all at
+        once, so a method holding a collective meets); the results in rank order."""
+        with deferred_keyboard_interrupt():
+            call = WorkerCall(method, args, kwargs)
+            for process in self.processes:
+                process.send(call)
+            try:
+                mine = getattr(self.driver, method)(*args, **kwargs)
+            except BaseException:
+                self.needs_restart = bool(self.processes)     # the others may wait in a collective
+                raise
+            answers = [process.answer() for process in self.processes]     # every one, so none is stale
+            for process, (status, value) in zip(self.processes, answers):
+                if status != "ok":
+                    raise RuntimeError(f"{method} failed on worker {process.rank}:\n{value}")
+            return [mine] + [value for _, value in answers]
 
     # ---- one step ------------------------------------------------------------------------------
 

@@ -1,5 +1,9 @@
 """The worker processes of ranks 1..N-1: started by the executor with spawn, fed every step's
-StepInputs through a pipe, watched so that a dead one is an error instead of a hang."""
+StepInputs through a pipe, watched so that a dead one is an error instead of a hang.
+
+Besides steps, a pipe carries calls (WorkerCall): a method of the rank's Worker to run with its
+arguments, answered with ("ok", result) or ("error", traceback). Rank 0 makes the same call on its
+own worker (Executor.collective_rpc), so a call that holds a collective meets on every rank."""
 import contextlib
 import multiprocessing as mp
 import signal
@@ -18,6 +22,14 @@ from nanovllm.worker.worker import Worker
 LOADED = "loaded"
 
 
+@dataclass(frozen=True)
+class WorkerCall:
+    """Run `getattr(worker, method)(*args, **kwargs)` on a rank and answer with its result."""
+    method: str
+    args: tuple = ()
+    kwargs: dict | None = None
+
+
 @dataclass
 class WorkerProcess:
     """Rank 0's handle on a worker process and the pipe that carries its steps."""
@@ -30,9 +42,15 @@ class WorkerProcess:
             raise RuntimeError(f"tensor-parallel worker {self.rank} died (exit code {self.process.exitcode}); "
                                "this engine cannot continue, shut it down and start a new one")
 
-    def send(self, inputs: StepInputs) -> None:
+    def send(self, message: StepInputs | WorkerCall) -> None:
         self.check_alive()
-        self.conn.send(inputs)
+        self.conn.send(message)
+
+    def answer(self) -> tuple[str, object]:
+        """("ok", result) of the WorkerCall sent last, or ("error", the rank's traceback)."""
+        while not self.conn.poll(0.05):
+            self.check_alive()
+        return self.conn.recv()
 
     def expect(self, message: str) -> None:
         while not self.conn.poll(0.05):
@@ -85,8 +103,14 @@ def worker_main(config: Config, rank: int, init_method: str, multi_token_len: in
         conn.send(traceback.format_exc())
         return
     try:
-        while (inputs := conn.recv()) is not None:
-            worker.execute(inputs)
+        while (message := conn.recv()) is not None:
+            if isinstance(message, WorkerCall):
+                try:
+                    conn.send(("ok", getattr(worker, message.method)(*message.args, **(message.kwargs or {}))))
+                except Exception:
+                    conn.send(("error", traceback.format_exc()))
+            else:
+                worker.execute(message)
     except EOFError:                      # rank 0's process is gone
         pass
     finally:
