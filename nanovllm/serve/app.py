@@ -20,6 +20,8 @@ from nanovllm.serve.metrics import ServerMetrics
 from nanovllm.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                                     TokenizeChatRequest, TokenizeCompletionRequest)
 from nanovllm.serve.responses import ResponseBuilder, sse
+from nanovllm.serve.responses_api import ResponsesRequest, chat_request, responses_error
+from nanovllm.serve.responses_output import ResponsesOutput, responses_usage, stream_events
 from nanovllm.serve.sampling import sampling_params
 
 CHAT_PAGE = Path(__file__).with_name("chat_page.html")
@@ -147,9 +149,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
         builder = ResponseBuilder(False, served_model_name, llm.tokenizer, request.logprobs)
         return await respond(http_request, request, builder, streams)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest, http_request: Request):
-        check_model(request.model)
+    async def start_chat(request: ChatCompletionRequest) -> tuple[list, ChatOutputParsing, int]:
+        """A chat completion's engine request, how its output is read, and its max_tokens."""
         if request.tool_mode == "auto" and not (enable_auto_tool_choice and tool_call_parser):
             raise APIError(400, 'tool_choice "auto" (the default with tools) needs the server started with '
                                 "--enable-auto-tool-choice and --tool-call-parser", param="tool_choice")
@@ -166,8 +167,33 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
             max_tokens = max(1, llm.config.max_model_len - len(prompt))
         streams = await start(request, [prompt], max_tokens, request.num_logprobs, constraint)
         parsing = ChatOutputParsing.for_request(request, constraint is not None, tool_call_parser, reasoning_parser)
+        return streams, parsing, max_tokens
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, http_request: Request):
+        check_model(request.model)
+        streams, parsing, _ = await start_chat(request)
         builder = ResponseBuilder(True, served_model_name, llm.tokenizer, request.num_logprobs, parsing)
         return await respond(http_request, request, builder, streams)
+
+    @app.post("/v1/responses")
+    async def responses(request: ResponsesRequest, http_request: Request):
+        """OpenAI's Responses API over the chat path (serve/responses_api.py, serve/responses_output.py)."""
+        check_model(request.model)
+        chat = chat_request(request)
+        try:
+            streams, parsing, max_tokens = await start_chat(chat)
+        except APIError as e:
+            raise responses_error(e)
+        output = ResponsesOutput(request, served_model_name, parsing.new_choice(), max_tokens, chat.temperature,
+                                 chat.top_p)
+        if chat.stream:
+            return ChoicesStreamingResponse(stream_events(output, streams[0], metrics.observe_finished), streams)
+        final, = await unless_disconnected(http_request, collect(streams, 1, metrics))
+        out = final["outputs"][0]
+        usage = responses_usage(len(final["prompt_token_ids"]), len(out["token_ids"]),
+                                final.get("num_cached_tokens") or 0)
+        return JSONResponse(output.whole(out["text"], out["finish_reason"], usage))
 
     @app.post("/tokenize")
     async def tokenize(http_request: Request) -> dict:
