@@ -3,8 +3,10 @@
 `responses.create` / `responses.stream`, judged against the demo model's known answers, the chat
 completion of the same conversation, the tokenizer's chat template and `jsonschema`. The event
 builder's reasoning items and cut-anywhere streaming are checked offline at the end."""
+import asyncio
 import json
 
+import agents
 import httpx
 import jsonschema
 import openai
@@ -224,3 +226,14 @@ def test_reasoning_and_calls_stream_as_items_cut_anywhere():
         done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
         assert added == done == [0, 1, 2]
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_agents_sdk_responses_model(server, client):
+    """The OpenAI Agents SDK's default model (OpenAIResponsesModel) against the server, on a plain question."""
+    agents.set_tracing_disabled(True)
+    model = agents.OpenAIResponsesModel(model=MODEL_NAME, openai_client=openai.AsyncOpenAI(
+        base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=600))
+    agent = agents.Agent(name="calculator", model=model, model_settings=agents.ModelSettings(temperature=0))
+    result = asyncio.run(agents.Runner.run(agent, QUESTION))
+    assert "579" in result.final_output
+    assert result.final_output == client.responses.create(model=MODEL_NAME, input=QUESTION, temperature=0).output_text
