@@ -11,7 +11,7 @@ from tests.test_engine import mixed_prompts
 def llm(model_paths):
     # chunked prefill: prompts longer than 24 tokens take several steps
     return LLM(model_paths["gqa_tied"], kvcache_block_size=16, max_num_batched_tokens=24, max_num_seqs=4,
-               max_model_len=128)
+               max_model_len=128, dtype="float32")
 
 
 @pytest.fixture(scope="module")
