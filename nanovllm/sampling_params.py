@@ -22,6 +22,7 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     logprobs: int | None = None        # chosen token's logprob plus this many top alternatives
+    prompt_logprobs: int | None = None  # each prompt token's logprob plus this many top alternatives
     structured_outputs: StructuredOutputsParams | None = None   # the output must match this
 
     def __post_init__(self):
@@ -41,6 +42,8 @@ class SamplingParams:
             check_int("seed", self.seed, low=0)
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -85,7 +85,8 @@ class Scheduler:
                 break
             if seq.beam_candidates is not None:
                 continue                               # a beam parked until its siblings have proposed
-            cached_prefix = bm.find_cached_prefix(seq)
+            # prompt logprobs need the logits of every prompt position: recompute, as vLLM does
+            cached_prefix = [] if seq.needs_prompt_logprobs else bm.find_cached_prefix(seq)
             num_cached = len(cached_prefix) * bm.block_size
             n = seq.prefill_target - num_cached
             if n > budget:

@@ -39,6 +39,10 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hash of each full block, grown as blocks fill
         self.finish_reason: str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
+        # prompt_logprobs: entry i for prompt token i (None for the first), filled as prefill steps
+        # are collected; shared by the request's forks (one prompt)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] * len(token_ids) if sampling_params.prompt_logprobs is not None else None)
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -87,6 +91,12 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and has no token collected yet (so they may be incomplete):
+        its prompt is computed in full, never taken from the prefix cache."""
+        return self.prompt_logprobs is not None and len(self.token_ids) == self.num_prompt_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -68,7 +68,7 @@ class EngineCore:
         for seq in first.group:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
-        if self.in_flight is not None and all(s.is_finished for s in self.in_flight.seqs):
+        if self.in_flight is not None and all(s.is_finished for s in self.in_flight.observed_seqs):
             self.in_flight = None     # no token of it is wanted; the device finishes it unobserved
         self._free_draft_shadows()
         return first

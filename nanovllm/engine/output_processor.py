@@ -98,7 +98,7 @@ class OutputProcessor:
         """A finished request's output: its completions (or, for a beam search, its best beams)."""
         now = time.perf_counter()
         output = {"request_id": first.request_id, "prompt_token_ids": first.token_ids[:first.num_prompt_tokens],
-                  "num_cached_tokens": first.num_cached_tokens}
+                  "num_cached_tokens": first.num_cached_tokens, "prompt_logprobs": first.prompt_logprobs}
         if first.beam_search is not None:
             output["sequences"] = [{"token_ids": beam.token_ids, "text": self.decode(beam.token_ids),
                                     "cum_logprob": beam.cum_logprob, "finish_reason": beam.finish_reason}

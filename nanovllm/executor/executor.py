@@ -21,6 +21,9 @@ from nanovllm.core.sequence import Sequence
 from nanovllm.core.step import ScheduledBatch, StepInputs
 from nanovllm.executor.processes import (LOADED, WorkerCall, WorkerProcess, deferred_keyboard_interrupt,
                                          start_worker_processes, stop_worker_processes)
+from nanovllm.executor.prompt_logprobs import (PromptLogprobRows, attach_prompt_logprobs,
+                                               compute_prompt_logprobs, plan_prompt_logprobs,
+                                               with_prompt_rows)
 from nanovllm.executor.sampling_inputs import build_sampling_tensors, logprobs_by_row
 from nanovllm.executor.step_inputs import build_step_inputs
 from nanovllm.sample.sampler import SamplerOutput, SamplingTensors
@@ -41,6 +44,13 @@ class LaunchedStep:
     num_accepted: torch.Tensor | None = None     # row per position, and these were accepted
     logits: torch.Tensor | None = None
     sampling: SamplingTensors | None = None
+    prompt_logprobs: PromptLogprobRows | None = None    # prompt positions whose logprobs it computes
+
+    @property
+    def observed_seqs(self) -> list[Sequence]:
+        """The sequences waiting for something of this step: those it samples, and those whose
+        prompt logprobs it computes."""
+        return self.seqs + (self.prompt_logprobs.seqs if self.prompt_logprobs is not None else [])
 
 
 class Executor:
@@ -104,17 +114,24 @@ class Executor:
         """Queue one scheduled step (model and, unless `sample` is False, sampling) on the device and
         return without waiting, so the host can prepare the next step while this one runs."""
         inputs = self.prepare_step(batch)
+        prompt_rows = plan_prompt_logprobs(batch, inputs)     # None unless a sequence asks
+        if prompt_rows is not None:
+            sampled_rows, inputs.logits_indices = with_prompt_rows(inputs.logits_indices, prompt_rows)
         logits = self._execute_everywhere(inputs) if self.processes else self.driver.execute(inputs)
+        if prompt_rows is not None:
+            to_device = self.driver.host_to_device
+            compute_prompt_logprobs(prompt_rows, logits[to_device(prompt_rows.logits_rows)], to_device)
+            logits = logits[to_device(sampled_rows)]
         seqs = batch.sampled_seqs()
         if not seqs:
-            return LaunchedStep(seqs)
+            return LaunchedStep(seqs, prompt_logprobs=prompt_rows)
         if batch.draft_token_ids is not None:     # a verify step samples at once (never constrained)
             out, num_accepted = self._verify(logits, seqs, batch.draft_token_ids)
             step = LaunchedStep(seqs, draft_lens=list(map(len, batch.draft_token_ids)))
             step.num_accepted = num_accepted.to("cpu", non_blocking=True)
             self._to_host(step, out)
             return step
-        step = LaunchedStep(seqs, logits=logits, sampling=self.prepare_sampling(seqs))
+        step = LaunchedStep(seqs, logits=logits, sampling=self.prepare_sampling(seqs), prompt_logprobs=prompt_rows)
         if sample:
             self.sample(step)
         return step
@@ -161,7 +178,10 @@ class Executor:
                 raise error
 
     def collect(self, step: LaunchedStep) -> tuple[list[int], list[dict[int, float] | None]]:
-        """Wait for a launched step; the token (and logprobs, where asked) of each sampled sequence."""
+        """Wait for a launched step; the token (and logprobs, where asked) of each sampled sequence.
+        Prompt logprobs it computed are written into their sequences first."""
+        if step.prompt_logprobs is not None:
+            attach_prompt_logprobs(step.prompt_logprobs)
         if not step.seqs:
             return [], []
         self._wait_for_device(step.done)

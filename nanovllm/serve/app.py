@@ -15,6 +15,7 @@ from nanovllm.engine.chat_template import apply_chat_template
 from nanovllm.serve.chat_output import ChatOutputParsing
 from nanovllm.serve.choices import merge_choices, start_choices
 from nanovllm.serve.constraints import Constraint, output_constraint
+from nanovllm.serve.echo import echo_response
 from nanovllm.serve.errors import APIError, error_body, error_response, install_error_handlers, request_field_error
 from nanovllm.serve.metrics import ServerMetrics
 from nanovllm.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
@@ -93,9 +94,10 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
                            param=max_tokens_field)
 
     async def start(request: SamplingFields, prompts: list, max_tokens: int, logprobs: int | None,
-                    constraint: Constraint | None = None):
+                    constraint: Constraint | None = None, prompt_logprobs: int | None = None):
         try:
-            params = sampling_params(request, max_tokens, logprobs, constraint.params if constraint else None)
+            params = sampling_params(request, max_tokens, logprobs, constraint.params if constraint else None,
+                                     prompt_logprobs)
         except (ValueError, TypeError) as e:
             raise request_field_error(e)
         check_context([len(p) for p in prompts], max_tokens,
@@ -145,8 +147,13 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
         except ValueError as e:
             raise APIError(400, str(e), param="prompt")
         max_tokens = 16 if request.max_tokens is None else request.max_tokens      # OpenAI's default
-        streams = await start(request, prompts, max_tokens, request.logprobs, output_constraint(request))
+        # max_tokens 0 (echo only): one token, dropped (serve/echo.py)
+        streams = await start(request, prompts, max(max_tokens, 1), request.logprobs, output_constraint(request),
+                              request.engine_prompt_logprobs)
         builder = ResponseBuilder(False, served_model_name, llm.tokenizer, request.logprobs)
+        if request.echo or request.prompt_logprobs is not None:     # never streamed (protocol.py)
+            finals = await unless_disconnected(http_request, collect(streams, request.n, metrics))
+            return JSONResponse(echo_response(builder, request, request.prompts(), finals))
         return await respond(http_request, request, builder, streams)
 
     async def start_chat(request: ChatCompletionRequest) -> tuple[list, ChatOutputParsing, int]:

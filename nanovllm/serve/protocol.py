@@ -96,7 +96,24 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
     logprobs: int | None = None
-    echo: Literal[False] = False
+    echo: bool = False              # the prompt (and, with logprobs, its tokens' logprobs) first
+    prompt_logprobs: int | None = None      # vLLM's: each choice's prompt_logprobs
+
+    @model_validator(mode="after")
+    def _echo_and_prompt_logprobs(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be >= 1 (0 only with echo=true), got 0")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available when stream=true")
+        if self.echo and self.stream:
+            raise ValueError("echo is not supported with stream=true")
+        return self
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs: as asked, or with echo and logprobs, logprobs'."""
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(asked) if asked else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts (a string or token ids each)."""

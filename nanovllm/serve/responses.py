@@ -99,6 +99,9 @@ class ResponseBuilder:
             return None
         entries = []
         for token_id, candidates in zip(token_ids, logprobs):
+            if candidates is None:      # echo: the prompt's first token has no logprob
+                entries.append((self._token(token_id), None, None))
+                continue
             candidates = {int(k): float(v) for k, v in candidates.items()}
             top = sorted(candidates.items(), key=lambda kv: kv[1], reverse=True)[:self.num_top_logprobs]
             entries.append((self._token(token_id), candidates[token_id], [(self._token(t), lp) for t, lp in top]))
@@ -113,7 +116,8 @@ class ResponseBuilder:
             offset += len(token)
         self.text_offset[index] = offset
         return {"tokens": [token for token, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [_first_per_key(top) for _, _, top in entries], "text_offset": offsets}
+                "top_logprobs": [None if top is None else _first_per_key(top) for _, _, top in entries],
+                "text_offset": offsets}
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
