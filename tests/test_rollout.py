@@ -149,7 +149,7 @@ def test_update_from_a_trainer_process_equals_the_in_process_update(paths, refer
         with pytest.raises(RuntimeError, match="init_weight_update_group"):
             llm.update_weights_from_distributed(["x"], ["float32"], [[1]])
         with pytest.raises(ValueError, match="backend"):
-            llm.init_weight_update_group("127.0.0.1", 1, 1, 2, backend="nccl")
+            llm.init_weight_update_group("127.0.0.1", 1, 1, 2, backend="mpi")
         port = free_port()
         process = mp.get_context("spawn").Process(target=trainer, args=(paths["b"], port, 2))
         process.start()

@@ -89,9 +89,8 @@ class EngineRollout:
         self.check_running()
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
-        if (backend == "nccl") != (self.config.device == "cuda"):
-            raise ValueError(f"backend {backend!r} does not fit an engine on {self.config.device}; "
-                             f"use {'nccl' if self.config.device == 'cuda' else 'gloo'}")
+        if backend == "nccl" and self.config.device != "cuda":
+            raise ValueError("backend 'nccl' needs an engine on GPUs; use 'gloo'")
         tp = self.config.tensor_parallel_size
         if not (isinstance(rank_offset, int) and rank_offset >= 1):
             raise ValueError(f"rank_offset must be an int >= 1 (the trainer is rank 0), got {rank_offset!r}")
