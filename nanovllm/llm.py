@@ -117,6 +117,39 @@ class LLM:
                 bar.close()
         return [outputs[request_id] for request_id in ids]
 
+    # ---- rollout control (docs/rollout.md; LLMEngine's, engine/rollout.py) -------------------------
+
+    def update_weights(self, weights, weight_version: int | None = None) -> int:
+        """Load (checkpoint name, tensor) pairs in place; returns the new weight_version."""
+        return self.engine.update_weights(weights, weight_version)
+
+    def update_weights_from_disk(self, path: str, weight_version: int | None = None) -> int:
+        return self.engine.update_weights_from_disk(path, weight_version)
+
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                 backend: str = "nccl") -> None:
+        self.engine.init_weight_update_group(master_address, master_port, rank_offset, world_size, backend)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
+                                        weight_version: int | None = None) -> int:
+        return self.engine.update_weights_from_distributed(names, dtypes, shapes, weight_version)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
     # ---- chat ----------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: list[Message], tools: list[dict] | None = None,

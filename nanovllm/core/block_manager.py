@@ -24,6 +24,7 @@ class Block:
     ref_count: int = 0
     hash: int | None = None           # set once the block is full and its K/V are computed
     token_ids: tuple[int, ...] = ()   # confirms a hash hit
+    stale: bool = False               # in use when the prefix cache was reset (new weights): never cached
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +152,7 @@ class BlockManager:
                         self.pending_offloads.append((block_id, host_block_id))
             block.hash, block.token_ids = None, ()
         self.blocks[block_id].ref_count = 1
+        self.blocks[block_id].stale = False
         return block_id
 
     def take_block_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -171,7 +173,8 @@ class BlockManager:
             return
         size = self.block_size
         first, last = num_computed_before // size, seq.num_computed_tokens // size
-        if first == last:
+        # a sequence that lived through a prefix-cache reset computes on K/V of the old weights
+        if first == last or self.blocks[seq.block_table[0]].stale:
             return
         hashes = self.block_hashes(seq, seq.num_computed_tokens)
         for i in range(first, last):
@@ -223,6 +226,21 @@ class BlockManager:
                 else:
                     self.empty_blocks.append(block_id)
         seq.block_table.clear()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block, on the GPU and in the host tier (the weights changed, so their
+        K/V are stale). Called between steps. Blocks in use stay with their sequences but are no
+        longer found, and are marked stale: their sequences publish no block from now on, since every
+        later block of theirs is computed over the old K/V."""
+        for block in self.blocks:
+            block.hash, block.token_ids = None, ()
+            block.stale = block.ref_count > 0
+        self.hash_to_block.clear()
+        self.empty_blocks.extend(self.evictable_blocks)
+        self.evictable_blocks.clear()
+        if self.host is not None:
+            for host_block_id in list(self.host.lru):
+                self.host.drop(host_block_id)
 
     def reset(self) -> None:
         """Every block is free again (the engine dropped its sequences' blocks after an interrupted

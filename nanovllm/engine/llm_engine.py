@@ -18,11 +18,14 @@ from nanovllm.engine.core import EngineCore
 from nanovllm.engine.input_processor import InputProcessor, Prompt
 from nanovllm.engine.output_processor import OutputProcessor, RequestUpdate
 from nanovllm.engine.grammars import StructuredOutputManager
+from nanovllm.engine.rollout import EngineRollout
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.validation import check_priority
 
 
-class LLMEngine:
+class LLMEngine(EngineRollout):
+    """Rollout control (update_weights, sleep, wake_up, weight_version) is EngineRollout's (rollout.py)."""
+
     def __init__(self, model: str, **engine_args):
         config = Config.from_engine_args(model, **engine_args)
         self.config = config
@@ -75,6 +78,7 @@ class LLMEngine:
     def add_checked(self, token_ids: list[int], sampling_params: SamplingParams,
                     request_id: Hashable | None = None, priority: int = 0) -> Hashable:
         """Queue a request whose prompt and parameters were checked already."""
+        self.check_awake()
         seq = self.inputs.new_sequence(token_ids, sampling_params, request_id, priority)
         self.core.add(seq)
         return seq.request_id

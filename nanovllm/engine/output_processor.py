@@ -28,12 +28,14 @@ class RequestUpdate:
     finished: bool
     finish_reason: str | None
     output: dict | None           # the request's final output, once it finished
+    weight_version: int = 0       # of the weights that computed this step (docs/rollout.md)
 
     def stream_dict(self) -> dict:
         """What AsyncLLM yields for this update: the delta, and once finished the whole output with
         the top-level fields of this update's completion."""
         out = dict(self.output) if self.output is not None else {}
-        out.update(request_id=self.request_id, index=self.index, delta_text=self.delta_text,
+        out.update(request_id=self.request_id, index=self.index, weight_version=self.weight_version,
+                   delta_text=self.delta_text,
                    delta_token_ids=self.new_token_ids, delta_logprobs=self.new_logprobs,
                    finished=self.output is not None, finish_reason=self.finish_reason)
         if self.output is not None:
@@ -53,6 +55,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         # made when text is needed before a sequence ends (stop strings, streaming); by (request, index)
         self.detokenizers: dict[tuple[Hashable, int], IncrementalDetokenizer] = {}
+        self.weight_version = 0     # the engine's (engine/rollout.py), stamped on every output
 
     def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
         key = (seq.request_id, seq.index)
@@ -91,14 +94,15 @@ class OutputProcessor:
             updates.append(RequestUpdate(
                 seq.request_id, seq.index, detokenizer.new_token_ids(completion), new_logprobs,
                 detokenizer.delta(final=seq.is_finished), detokenizer.visible_text, completion, seq.is_finished,
-                seq.finish_reason, None))
+                seq.finish_reason, None, self.weight_version))
         return updates
 
     def build_output(self, first: Sequence) -> dict:
         """A finished request's output: its completions (or, for a beam search, its best beams)."""
         now = time.perf_counter()
         output = {"request_id": first.request_id, "prompt_token_ids": first.token_ids[:first.num_prompt_tokens],
-                  "num_cached_tokens": first.num_cached_tokens, "prompt_logprobs": first.prompt_logprobs}
+                  "num_cached_tokens": first.num_cached_tokens, "prompt_logprobs": first.prompt_logprobs,
+                  "weight_version": self.weight_version}
         if first.beam_search is not None:
             output["sequences"] = [{"token_ids": beam.token_ids, "text": self.decode(beam.token_ids),
                                     "cum_logprob": beam.cum_logprob, "finish_reason": beam.finish_reason}

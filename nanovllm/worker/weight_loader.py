@@ -59,7 +59,9 @@ def load_model(model: nn.Module, config: Config) -> dict[int, dict[str, torch.Te
             tensors = quantize_random_tensors(config.model_config.quantization, tensors)
     else:
         tensors = checkpoint_tensors(config.model)
-    kv_scales = load_tensors(model, tensors, config.model)
+    # every checkpoint tensor's whole shape, against which weight updates are checked (weight_update.py)
+    model.checkpoint_shapes = {}
+    kv_scales = load_tensors(model, tensors, config.model, model.checkpoint_shapes)
     process_weights_after_loading(model)
     return kv_scales
 
@@ -85,8 +87,8 @@ def checkpoint_tensors(path: str) -> Iterator[tuple[str, object]]:
                 yield name, f.get_slice(name)
 
 
-def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, object]],
-                 path: str) -> dict[int, dict[str, torch.Tensor]]:
+def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, object]], path: str,
+                 shapes: dict[str, tuple[int, ...]] | None = None) -> dict[int, dict[str, torch.Tensor]]:
     params = dict(model.named_parameters())
     wanted = checkpoint_names(model)
     loaded, kv_scales = set(), {}
@@ -101,6 +103,8 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, object]],
         if name not in wanted:
             raise ValueError(f"model: checkpoint tensor {name!r} has no place in the model")
         target, shard = wanted[name]
+        if shapes is not None:
+            shapes[name] = tuple(tensor.get_shape()) if hasattr(tensor, "get_shape") else tuple(tensor.shape)
         param = params[target]
         loader = getattr(param, "weight_loader", default_weight_loader)
         with torch.no_grad():

@@ -27,6 +27,7 @@ from nanovllm.worker.weight_loader import load_model, weight_bytes
 from nanovllm.worker.cuda_graph import StepGraphs
 from nanovllm.worker.kv_cache import KVCache, cpu_budget_bytes
 from nanovllm.worker.kv_offload import HostKVCache
+from nanovllm.worker.rollout import WorkerRollout
 
 
 @contextlib.contextmanager
@@ -39,8 +40,9 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-class Worker:
-    """One rank: rank 0 lives in the engine's process, the others in processes an executor starts."""
+class Worker(WorkerRollout):
+    """One rank: rank 0 lives in the engine's process, the others in processes an executor starts.
+    Rollout control (in-place weight updates, sleep and wake up) is WorkerRollout's (rollout.py)."""
 
     def __init__(self, config: Config, rank: int = 0, init_method: str | None = None,
                  multi_token_len: int | None = None):

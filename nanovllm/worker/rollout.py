@@ -1,0 +1,99 @@
+"""A worker's side of rollout control (docs/rollout.md): weights updated in place, from the
+engine's process, from disk or from a trainer's broadcast, and sleep / wake up. Mixed into Worker;
+the engine runs these on every rank through Executor.collective_rpc. Checks return their problems
+instead of raising, so one rank's refusal never leaves the others apart."""
+import torch
+
+from nanovllm.worker.weight_loader import checkpoint_tensors
+from nanovllm.worker.weight_sync import WeightSyncGroup, weight_sync_group
+from nanovllm.worker.weight_update import InPlaceWeightLoader, tensor_shape
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"dtypes: {dtype!r} is not a torch dtype")
+    return found
+
+
+class WorkerRollout:
+    weight_sync: WeightSyncGroup | None = None
+    weights_asleep = kv_cache_asleep = False
+    slept_weights: dict[str, tuple[torch.Tensor | None, torch.Size, torch.dtype]] | None = None
+
+    def _in_place_loader(self) -> InPlaceWeightLoader:
+        return InPlaceWeightLoader(self.model, self.model.checkpoint_shapes, self.config.torch_dtype)
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def check_weight_update(self, metadata: list[tuple[str, tuple[int, ...]]]) -> list[str]:
+        return self._in_place_loader().problems(metadata)
+
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        loader = self._in_place_loader()
+        for name, tensor in named_tensors:
+            loader.load(name, tensor)
+        loader.finish()
+
+    def check_checkpoint_update(self, path: str) -> list[str]:
+        return self._in_place_loader().problems((name, tensor_shape(t)) for name, t in checkpoint_tensors(path))
+
+    def update_weights_from_disk(self, path: str) -> None:
+        self.update_weights(checkpoint_tensors(path))     # each rank reads only its slices
+
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                 world_size: int, backend: str) -> None:
+        self.weight_sync = weight_sync_group(master_address, master_port, rank_offset + self.rank, world_size, backend)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list, load: bool) -> None:
+        """Receive each tensor the trainer broadcasts and load it (when `load`: the names and shapes
+        were found good; otherwise every tensor is still received, so the trainer is not left waiting)."""
+        group = self.weight_sync
+        device = self.device if group.backend == "nccl" else torch.device("cpu")
+        loader = self._in_place_loader()
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            tensor = group.broadcast(torch.empty(tuple(shape), dtype=parse_dtype(dtype), device=device))
+            if load:
+                loader.load(name, tensor)
+        loader.finish()
+
+    # ---- sleep ---------------------------------------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        """Free the KV pool and the CUDA graphs; weights to host memory (level 1) or dropped (2)."""
+        self.graphs = []     # they captured the pool's and the weights' addresses
+        if not self.kv_cache_asleep:
+            self.kv_cache.release()
+            self.kv_cache_asleep = True
+        if not self.weights_asleep:
+            self.slept_weights = {}
+            for name, param in self.model.named_parameters():    # a tied LM head is listed once
+                host = None
+                if level == 1:
+                    host = param.data.to("cpu", copy=True).pin_memory() if self.is_cuda else param.data
+                self.slept_weights[name] = (host, param.shape, param.dtype)
+                param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+            self.weights_asleep = True
+        elif level == 2:      # asleep at level 1 before: drop the host copies too
+            self.slept_weights = {name: (None, shape, dtype) for name, (_, shape, dtype) in self.slept_weights.items()}
+        if self.is_cuda:
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Bring back what `tags` name; once both are back, recapture the CUDA graphs."""
+        if "weights" in tags and self.weights_asleep:
+            params = dict(self.model.named_parameters())
+            for name, (host, shape, dtype) in self.slept_weights.items():
+                # dropped weights come back uninitialized: an update must fill them
+                params[name].data = (host.to(self.device, non_blocking=True) if host is not None
+                                     else torch.empty(shape, dtype=dtype, device=self.device))
+            self.slept_weights, self.weights_asleep = None, False
+        if "kv_cache" in tags and self.kv_cache_asleep:
+            self.kv_cache.allocate(self.num_kvcache_blocks)
+            self.kv_cache_asleep = False
+        if not (self.weights_asleep or self.kv_cache_asleep) and self.is_cuda and not self.config.enforce_eager \
+                and not self.graphs:
+            torch.cuda.synchronize(self.device)
+            self._capture_graphs(self.multi_token_len)
