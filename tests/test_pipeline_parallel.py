@@ -101,7 +101,7 @@ def test_three_stages_uneven_split_and_a_dead_stage(five_layers_untied, hf_greed
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"worker rank 1 \(pipeline stage 1, tensor-parallel rank 0\) died"):
         llm.generate([[5] * 50] * 8, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), use_tqdm=False)
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 60     # the process group would wait 10 minutes
     pids = [p.process.pid for p in executor.processes]
     llm.shutdown()
     assert not mp.active_children()
