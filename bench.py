@@ -47,6 +47,7 @@ def main():
     parser.add_argument("--max-output-len", type=int, default=1024)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--enable-prefix-caching", type=int, default=1, help="1 or 0")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
@@ -64,7 +65,8 @@ def main():
     if args.structured_json and args.config:     # a vocabulary in which JSON can be written
         engine_args["model"] = cached_shape(args.config, text_pieces=True)
     llm = LLM(**engine_args, max_model_len=args.max_model_len,
-              tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+              tensor_parallel_size=args.tensor_parallel_size,
+              pipeline_parallel_size=args.pipeline_parallel_size, enforce_eager=args.enforce_eager,
               enable_prefix_caching=bool(args.enable_prefix_caching), kv_cache_dtype=args.kv_cache_dtype,
               kv_offload_gib=args.kv_offload_gib, quantization=args.quantization,
               speculative_config=args.speculative_config)

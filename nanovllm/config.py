@@ -21,6 +21,7 @@ class Config:
     device: str = "auto"
     dtype: str = "auto"
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1       # stages of contiguous layers; world size = tensor x pipeline
     max_model_len: int | None = None
     max_num_seqs: int = 512
     max_num_batched_tokens: int = 16384
@@ -95,12 +96,22 @@ class Config:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu'")
-        tp = self.tensor_parallel_size
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         check_int("tensor_parallel_size", tp, 1)
-        if self.device == "cuda" and tp > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} CUDA devices are visible")
-        if self.device == "cpu" and tp > (os.cpu_count() or 1):
-            raise ValueError(f"tensor_parallel_size={tp} but this machine has only {os.cpu_count()} CPU cores")
+        check_int("pipeline_parallel_size", pp, 1)
+        layers = self.model_config.num_layers
+        if pp > layers:
+            raise ValueError(f"pipeline_parallel_size={pp} is more than the model's {layers} layers; "
+                             "every stage needs at least one")
+        sizes = f"tensor_parallel_size={tp}" if pp == 1 else \
+            f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} = {tp * pp} ranks"
+        if self.device == "cuda" and tp * pp > torch.cuda.device_count():
+            raise ValueError(f"{sizes} but only {torch.cuda.device_count()} CUDA devices are visible")
+        if self.device == "cpu" and tp * pp > (os.cpu_count() or 1):
+            raise ValueError(f"{sizes} but this machine has only {os.cpu_count()} CPU cores")
+        if pp > 1 and self.speculative_config is not None:
+            raise ValueError(f"speculative_config is not supported with pipeline_parallel_size={pp}; "
+                             "pass one or the other")
         heads, kv_heads = self.model_config.num_heads, self.model_config.num_kv_heads
         if heads % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={heads}")
@@ -151,6 +162,10 @@ class Config:
         if self.kv_offload_gib * 2**30 > available:
             raise ValueError(f"kv_offload_gib={self.kv_offload_gib} does not fit in host memory: "
                              f"{available / 2**30:.1f} GiB available")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def min_kvcache_blocks(self) -> int:

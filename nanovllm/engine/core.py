@@ -34,8 +34,9 @@ class EngineCore:
         self.executor = Executor(config)
         self.scheduler = Scheduler(config, self._new_block_manager(),
                                    0 if spec is None else spec.num_speculative_tokens)
-        # Tensor-parallel worker processes need every step's token ids on the host first: no overlap.
-        self.overlap = config.tensor_parallel_size == 1
+        # Worker processes (tensor-parallel ranks, pipeline stages) need every step's token ids on
+        # the host first: no overlap.
+        self.overlap = config.world_size == 1
         self.in_flight: LaunchedStep | None = None
         self.requests: dict[Hashable, Sequence] = {}   # first sequence of each live or unreturned request
         self.finished: list[Hashable] = []             # requests done since the engine last looked

@@ -61,7 +61,7 @@ class Executor:
         self.processes: list[WorkerProcess] = []
         self.needs_restart = False    # ranks went out of step (see _execute_everywhere)
         init_method = None
-        if config.tensor_parallel_size > 1:
+        if config.world_size > 1:     # tensor-parallel ranks and pipeline stages
             init_method, self.processes = start_worker_processes(config, multi_token_len)
             self._stop_processes = weakref.finalize(self, stop_worker_processes, self.processes)
         self.driver = Worker(config, 0, init_method, multi_token_len)

@@ -36,10 +36,14 @@ class WorkerProcess:
     rank: int
     process: mp.Process
     conn: Connection
+    name: str = ""     # how errors name the rank
+
+    def __post_init__(self):
+        self.name = self.name or f"tensor-parallel worker {self.rank}"
 
     def check_alive(self) -> None:
         if not self.process.is_alive():
-            raise RuntimeError(f"tensor-parallel worker {self.rank} died (exit code {self.process.exitcode}); "
+            raise RuntimeError(f"{self.name} died (exit code {self.process.exitcode}); "
                                "this engine cannot continue, shut it down and start a new one")
 
     def send(self, message: StepInputs | WorkerCall) -> None:
@@ -57,7 +61,7 @@ class WorkerProcess:
             self.check_alive()
         received = self.conn.recv()
         if received != message:
-            raise RuntimeError(f"tensor-parallel worker {self.rank} failed to start:\n{received}")
+            raise RuntimeError(f"{self.name} failed to start:\n{received}")
 
 
 def start_worker_processes(config: Config, multi_token_len: int | None = None) -> tuple[str, list[WorkerProcess]]:
@@ -67,13 +71,17 @@ def start_worker_processes(config: Config, multi_token_len: int | None = None) -
         init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     context = mp.get_context("spawn")
     workers = []
-    for rank in range(1, config.tensor_parallel_size):
+    tp = config.tensor_parallel_size
+    for rank in range(1, config.world_size):
         parent_end, child_end = context.Pipe()
         process = context.Process(target=worker_main, args=(config, rank, init_method, multi_token_len, child_end),
-                                  name=f"nanovllm-tp-rank{rank}", daemon=True)
+                                  name=f"nanovllm-rank{rank}", daemon=True)
         process.start()
         child_end.close()
-        workers.append(WorkerProcess(rank, process, parent_end))
+        stage, tp_rank = divmod(rank, tp)
+        name = "" if config.pipeline_parallel_size == 1 else \
+            f"worker rank {rank} (pipeline stage {stage}, tensor-parallel rank {tp_rank})"
+        workers.append(WorkerProcess(rank, process, parent_end, name))
     return init_method, workers
 
 

@@ -4,13 +4,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.linear import tp_rank_and_size
+from nanovllm.layers.linear import tp_group, tp_rank_and_size
+from nanovllm.layers.parallel_state import parallel_state
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp_group = tp_group()
+        state = parallel_state()
+        self.tp_root = state.global_rank(state.stage, 0)     # the stage's tp rank 0 gathers the logits
         self.num_embeddings = num_embeddings
         shard = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * shard
@@ -28,16 +32,16 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(token_ids, self.weight)
         mine = (token_ids >= self.vocab_start) & (token_ids < self.vocab_end)
         y = F.embedding((token_ids - self.vocab_start) * mine, self.weight) * mine.unsqueeze(1)
-        dist.all_reduce(y)
+        dist.all_reduce(y, group=self.tp_group)
         return y
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """Logits over the whole vocabulary on rank 0; None on the other ranks."""
+        """Logits over the whole vocabulary on the stage's tp rank 0; None on its other ranks."""
         logits = F.linear(hidden_states, self.weight)
         if self.tp_size == 1:
             return logits
         shards = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-        dist.gather(logits, shards, dst=0)
+        dist.gather(logits, shards, dst=self.tp_root, group=self.tp_group)
         return torch.cat(shards, dim=-1)[:, :self.num_embeddings] if self.tp_rank == 0 else None

@@ -15,13 +15,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanovllm.layers.parallel_state import parallel_state
 from nanovllm.quantization.base import QuantizationConfig, UnquantizedLinearMethod, shard_param
 
 
 def tp_rank_and_size() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    """This rank's place in its tensor-parallel group (its pipeline stage's ranks)."""
+    state = parallel_state()
+    return state.tp_rank, state.tp_size
+
+
+def tp_group():
+    """The group a tensor-parallel collective runs in (None: the whole world)."""
+    return parallel_state().tp_group
 
 
 def load_shard(param: nn.Parameter, loaded, out: tuple[int, int, int] | None = None,
@@ -68,6 +74,7 @@ class LinearBase(nn.Module):
                  quant_config: QuantizationConfig | None = None, prefix: str = "", input_start: int = 0):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp_group = tp_group()
         self.input_size, self.output_sizes, self.input_start = input_size, output_sizes, input_start
         self.quant_method = quant_config.linear_method(self, prefix) if quant_config else UnquantizedLinearMethod()
         self.quant_method.create_weights(self, input_size, output_sizes, torch.get_default_dtype())
@@ -157,5 +164,5 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x)
         if self.tp_size > 1:
-            dist.all_reduce(y)
+            dist.all_reduce(y, group=self.tp_group)
         return y if self.bias is None else y + self.bias

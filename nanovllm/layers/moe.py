@@ -20,7 +20,7 @@ from torch import nn
 
 from nanovllm.kernels.fused_moe import fused_moe, fused_moe_ref
 from nanovllm.kernels.moe_routing import route, route_ref
-from nanovllm.layers.linear import load_shard, tp_rank_and_size
+from nanovllm.layers.linear import load_shard, tp_group, tp_rank_and_size
 from nanovllm.quantization.base import QuantizationConfig, shard_param
 
 # one expert's projection in a checkpoint -> the stacked parameters (w13_weight, w13_weight_scale_inv...) it goes into
@@ -71,6 +71,7 @@ class FusedMoE(nn.Module):
                  quant_config: QuantizationConfig | None = None, prefix: str = ""):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp_group = tp_group()
         if intermediate_size % self.tp_size:
             raise ValueError(f"tensor_parallel_size={self.tp_size} must divide moe_intermediate_size={intermediate_size}")
         self.num_experts = num_experts
@@ -120,5 +121,5 @@ class SparseMoeBlock(nn.Module):
         weights, ids = (route if x.is_cuda else route_ref)(logits, self.top_k, self.norm_topk_prob, x.dtype)
         y = self.experts(x, weights, ids)
         if self.experts.tp_size > 1:
-            dist.all_reduce(y)
+            dist.all_reduce(y, group=self.experts.tp_group)
         return y

@@ -8,7 +8,15 @@ layer that quantizes its input per token (and group), the norm or SiLU before it
 in float8 directly (`fuse_input_quantization`): the layer skips its own quantization pass.
 
 A family file subclasses `CausalLM` and states what its config.json means (see the class).
+
+Under pipeline parallelism a model holds only its stage's layers (layers/parallel_state.py): the
+others are empty placeholders, so checkpoint names keep their indices and `holds` tells the loader
+which tensors to skip. The first stage holds the embedding, the last the final norm and the LM head
+(and the embedding too when the head is tied to it); a stage before the last returns its hidden
+states and residual, which the next stage's forward takes in place of the embedding.
 """
+import re
+
 import torch
 from torch import nn
 
@@ -17,6 +25,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.parallel_state import parallel_state, stage_layers
 from nanovllm.layers.rotary import RotaryEmbedding
 from nanovllm.models.model_config import ModelConfig
 from nanovllm.quantization.base import QuantizationConfig
@@ -102,22 +111,42 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+class MissingLayer(nn.Module):
+    """The place of a decoder layer another pipeline stage holds: no weights, never run."""
+
+
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, mlps: list[nn.Module]):
+    def __init__(self, config: ModelConfig, mlps: dict[int, nn.Module], has_embedding: bool = True,
+                 has_norm: bool = True):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if has_embedding else None
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                      config.rope_scaling)
-        self.layers = nn.ModuleList([DecoderLayer(config, rotary_emb, mlp, f"model.layers.{i}")
-                                     for i, mlp in enumerate(mlps)])
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(config, rotary_emb, mlps[i], f"model.layers.{i}") if i in mlps
+                                     else MissingLayer() for i in range(config.num_layers)])
+        self.start_layer, self.end_layer = min(mlps), max(mlps) + 1
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if has_norm else None
+        last = self.layers[self.end_layer - 1]
+        if self.norm is None and isinstance(last.mlp, GatedMLP):    # its output is sent, not normed here
+            last.mlp.down_proj.leaves_sums_to_norm = False
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """The final hidden states; on a stage before the last, (hidden states, residual) for the next
+        stage. `intermediate` is the previous stage's, where this is not the first."""
+        if intermediate is None:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states, residual = intermediate
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual)
+        if self.norm is None:
+            return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+
+LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class CausalLM(nn.Module):
@@ -137,10 +166,14 @@ class CausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.model = DecoderModel(config, [self.build_mlp(config, i) for i in range(config.num_layers)])
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        state = parallel_state()
+        first, last = state.is_first_stage, state.is_last_stage
+        start, end = stage_layers(config.num_layers, state.stage, state.num_stages)
         self.tie_word_embeddings = config.tie_word_embeddings
-        if self.tie_word_embeddings:
+        self.model = DecoderModel(config, {i: self.build_mlp(config, i) for i in range(start, end)},
+                                  has_embedding=first or (last and self.tie_word_embeddings), has_norm=last)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if last else None
+        if self.tie_word_embeddings and last:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def build_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module:
@@ -148,8 +181,26 @@ class CausalLM(nn.Module):
         return GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias,
                         quant_config=config.quantization, prefix=mlp_prefix(layer_index))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        return self.model(input_ids, positions, intermediate)
+
+    @property
+    def start_layer(self) -> int:
+        return self.model.start_layer
+
+    def holds(self, checkpoint_name: str) -> bool:
+        """Does this pipeline stage keep the checkpoint tensor? (The loader skips the others.)"""
+        layer = LAYER_NAME.match(checkpoint_name)
+        if layer:
+            return self.model.start_layer <= int(layer[1]) < self.model.end_layer
+        if checkpoint_name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is not None
+        if checkpoint_name.startswith("model.norm."):
+            return self.model.norm is not None
+        if checkpoint_name.startswith("lm_head."):
+            return self.lm_head is not None
+        return True
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden_states)

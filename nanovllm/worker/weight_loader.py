@@ -5,7 +5,8 @@ pieces by shard id, weights and biases alike. Experts stacked into one parameter
 expert's tensor by (shard id, expert id). A tied LM head is the embedding, so a checkpoint's
 copy of it is skipped; an untied one must be in the checkpoint like every other weight.
 Checkpoints made for an FP8 KV cache carry each layer's `self_attn.k_scale` and `v_scale`; they are
-handed back to the runner, which uses them when the cache is FP8.
+handed back to the runner, which uses them when the cache is FP8. A pipeline stage reads only the
+tensors of the layers it holds (`CausalLM.holds`).
 """
 import glob
 import os
@@ -92,7 +93,10 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, object]], path: 
     params = dict(model.named_parameters())
     wanted = checkpoint_names(model)
     loaded, kv_scales = set(), {}
+    holds = getattr(model, "holds", lambda name: True)
     for name, tensor in tensors:
+        if not holds(name):      # another pipeline stage's
+            continue
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.tie_word_embeddings):
             continue
         kv_scale = KV_SCALE_NAME.search(name)

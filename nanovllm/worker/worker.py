@@ -6,6 +6,10 @@ is given. It knows nothing of sequences or scheduling: the executor (executor/ex
 scheduled batches into inputs, drives every rank's worker, and reads the tokens back. Start-up is in
 two halves so that an executor can check every rank loaded its weights before the first collective
 (sizing the KV pool): `Worker(...)` loads the model, `init_kv_cache()` sizes, allocates and warms up.
+
+Under pipeline parallelism a worker holds one stage's layers (and their KV cache); a step receives
+the previous stage's hidden states and sends its own on (pipeline.py). Decode then runs eagerly:
+no CUDA graphs are captured (the stage's send/recv would have to be in them).
 """
 import contextlib
 import math
@@ -21,12 +25,14 @@ from nanovllm.config import Config
 from nanovllm.core.step import SPECULATION_MAX_RUNNING, StepInputs
 from nanovllm.kernels.fp8_kv_cache import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.parallel_state import init_parallel_state, reset_parallel_state
 from nanovllm.sample.sampler import Sampler, SamplerOutput, SamplingTensors
 from nanovllm.models.registry import build_model
 from nanovllm.worker.weight_loader import load_model, weight_bytes
 from nanovllm.worker.cuda_graph import StepGraphs
 from nanovllm.worker.kv_cache import KVCache, cpu_budget_bytes
 from nanovllm.worker.kv_offload import HostKVCache
+from nanovllm.worker.pipeline import receive_activations, receive_logits, send_activations, send_logits
 from nanovllm.worker.rollout import WorkerRollout
 
 
@@ -48,7 +54,8 @@ class Worker(WorkerRollout):
                  multi_token_len: int | None = None):
         self.config = config
         self.rank = rank
-        self.world_size = config.tensor_parallel_size
+        self.tp_size = config.tensor_parallel_size
+        self.world_size = config.world_size     # tensor-parallel size x pipeline stages
         self.block_size = config.kvcache_block_size
         self.multi_token_len = multi_token_len
         if config.device == "cuda":
@@ -62,6 +69,8 @@ class Worker(WorkerRollout):
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
             dist.init_process_group("nccl" if self.is_cuda else "gloo", init_method=init_method,
                                     world_size=self.world_size, rank=rank, timeout=timedelta(minutes=10))
+        # before the model is built (every rank, one too): its layers take their shard and group from it
+        self.parallel = init_parallel_state(rank, self.tp_size, config.pipeline_parallel_size)
         with torch.device(self.device), default_dtype(config.torch_dtype):
             self.model = build_model(config.model_config)
         self.checkpoint_kv_scales = load_model(self.model, config)
@@ -89,7 +98,7 @@ class Worker(WorkerRollout):
         self.kv_cache.allocate(self.num_kvcache_blocks)
         if self.is_cuda:
             self._run_cached_prefill()
-        if self.is_cuda and not config.enforce_eager:
+        if self.is_cuda and not config.enforce_eager and self.parallel.num_stages == 1:
             self._capture_graphs(self.multi_token_len)
 
     def _capture_graphs(self, multi_token_len: int | None) -> None:
@@ -173,8 +182,11 @@ class Worker(WorkerRollout):
         self.execute(inputs)
         # the largest decode batch's logits and sampling
         hidden = torch.zeros(config.max_num_seqs, config.model_config.hidden_size, device=self.device)
-        logits = self.model.compute_logits(hidden.to(config.torch_dtype))
         rows = config.max_num_seqs
+        if self.parallel.is_last_stage:
+            logits = self.model.compute_logits(hidden.to(config.torch_dtype))
+        else:    # rank 0 of a pipeline samples the last stage's logits
+            logits = torch.zeros(rows, config.model_config.vocab_size, dtype=config.torch_dtype, device=self.device)
         if self.rank == 0:     # under grammars' masks (allowing all): compiles that kernel, counts its logits copy
             int32 = dict(dtype=torch.int32, device=self.device)
             self.sampler(logits, SamplingTensors(torch.ones(rows, device=self.device),
@@ -194,14 +206,14 @@ class Worker(WorkerRollout):
     def _use_checkpoint_kv_scales(self, scales: dict[int, dict[str, torch.Tensor]]) -> bool:
         """Take the checkpoint's K and V scales if it has both for every layer. A scale per head
         becomes the layer's largest (every rank then agrees, whichever heads it holds)."""
-        num_layers = len(self.attention_layers)
-        if any(set(scales.get(i, ())) != {"k", "v"} for i in range(num_layers)):
+        num_layers, first = len(self.attention_layers), self.model.start_layer    # this stage's layers
+        if any(set(scales.get(first + i, ())) != {"k", "v"} for i in range(num_layers)):
             return False
         for i in range(num_layers):
             for row, which in enumerate("kv"):
-                value = float(scales[i][which].max())
+                value = float(scales[first + i][which].max())
                 if not (math.isfinite(value) and value > 0):
-                    raise ValueError(f"model: checkpoint {which}_scale of layer {i} is {value}; it must be positive")
+                    raise ValueError(f"model: checkpoint {which}_scale of layer {first + i} is {value}; it must be positive")
                 self.kv_cache.scales[row, i] = value
         return True
 
@@ -251,16 +263,33 @@ class Worker(WorkerRollout):
                 input_ids = self.read_pending_tokens(input_ids)
             metadata = self.backend.metadata(inputs.is_prefill, slot_mapping, context_lens, block_tables,
                                              cu_seqlens_q, inputs.context_lens, inputs.cu_seqlens_q)
+            intermediate = None if self.parallel.is_first_stage else receive_activations(
+                len(inputs.input_ids), self.config.model_config.hidden_size, self.config.torch_dtype, self.device,
+                self.rank - self.tp_size)
             with use_metadata(metadata):
-                hidden = self.model(input_ids, positions)
+                hidden = self.model(input_ids, positions, intermediate)
             rows = inputs.logits_indices
+        if not self.parallel.is_last_stage:
+            send_activations(*hidden, self.rank + self.tp_size)
+            return self._logits_from_last_stage(len(rows)) if self.rank == 0 else None
         if len(rows) != len(hidden):
             hidden = hidden[self.host_to_device(rows)]
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        if self.parallel.num_stages > 1 and self.parallel.tp_rank == 0 and len(rows):
+            send_logits(logits, 0)
+        return logits
+
+    def _logits_from_last_stage(self, num_rows: int) -> torch.Tensor:
+        vocab_size, dtype = self.config.model_config.vocab_size, self.config.torch_dtype
+        if not num_rows:
+            return torch.empty(0, vocab_size, dtype=dtype, device=self.device)
+        return receive_logits(num_rows, vocab_size, dtype, self.device,
+                              self.parallel.global_rank(self.parallel.num_stages - 1, 0))
 
     def close(self) -> None:
         """Free this rank's device memory (the executor leaves the process group)."""
         self.graphs, self.model, self.last_token_ids = [], None, None
+        reset_parallel_state()
         self.kv_cache.release()
         if self.host_kv_cache is not None:
             self.host_kv_cache.release()

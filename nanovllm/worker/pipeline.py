@@ -1,0 +1,34 @@
+"""What passes between pipeline stages in one step, by point-to-point send/recv (gloo on CPU, NCCL
+on GPU): a stage's hidden states and residual to the next stage's rank of the same tp rank, and the
+last stage's logits of the sampled rows back to rank 0, which samples as without stages.
+
+Both ends know every shape from the step's inputs (tokens, sampled rows) and the model's config, so
+only the tensors travel. Sending the logits back costs one [sampled rows, vocabulary] transfer per
+step (a decode batch of 256 over a 152k vocabulary in bfloat16: 78 MB); in exchange sampling, its
+tensors, grammar masks and logprobs stay on rank 0 exactly as they are without stages, so greedy
+tokens and logprobs are those of one stage.
+"""
+import torch
+import torch.distributed as dist
+
+
+def send_activations(hidden_states: torch.Tensor, residual: torch.Tensor, dst: int) -> None:
+    dist.send(torch.stack((hidden_states, residual)), dst)   # one message: [2, tokens, hidden]
+
+
+def receive_activations(num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                        src: int) -> tuple[torch.Tensor, torch.Tensor]:
+    both = torch.empty(2, num_tokens, hidden_size, dtype=dtype, device=device)
+    dist.recv(both, src)
+    return both[0], both[1]
+
+
+def send_logits(logits: torch.Tensor, dst: int) -> None:
+    dist.send(logits.contiguous(), dst)
+
+
+def receive_logits(num_rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device,
+                   src: int) -> torch.Tensor:
+    logits = torch.empty(num_rows, vocab_size, dtype=dtype, device=device)
+    dist.recv(logits, src)
+    return logits

@@ -1,0 +1,134 @@
+"""Pipeline parallelism over CPU processes (gloo): the same tokens and logprobs as one stage (and as
+a plain transformers loop), an uneven split, stages of two tensor-parallel ranks each, bad sizes,
+a dead stage, and shutdown."""
+import multiprocessing as mp
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.checkpoints.random_checkpoint import write_tiny_model
+from nanovllm.config import Config
+from nanovllm.layers.parallel_state import stage_layers
+from tests.conftest import mixed_prompts
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() or (os.cpu_count() or 1) < 2,
+                                reason="gloo stages on a CPU with 2+ cores")
+
+PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+# chunked prefill (32 tokens a step), a pool of 8 blocks, enough for one sequence of max_model_len
+# but not for all at once (preemption)
+TIGHT = dict(kvcache_block_size=16, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8,
+             num_kvcache_blocks=8)
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory) -> str:
+    return write_tiny_model(str(tmp_path_factory.mktemp("pp4")), seed=4, num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def five_layers_untied(tmp_path_factory) -> str:
+    return write_tiny_model(str(tmp_path_factory.mktemp("pp5")), seed=5, num_hidden_layers=5,
+                            tie_word_embeddings=False)
+
+
+def prompts() -> list[list[int]]:
+    shared = mixed_prompts(500, lengths=(40,), seed=7)[0]
+    return mixed_prompts(500, lengths=(1, 17, 70, 5, 33)) + [shared + [7, 8], shared + [9] * 20]
+
+
+def generate_twice(path: str, **engine_args) -> tuple[list, int]:
+    """Outputs of two identical generate calls (the second hits the prefix cache), and the preemptions."""
+    with LLM(path, **TIGHT, **engine_args) as llm:
+        outputs = [llm.generate(prompts(), PARAMS, use_tqdm=False) for _ in range(2)]
+        preemptions = llm.engine.core.scheduler.num_preemptions
+    assert all(run[-1]["num_cached_tokens"] >= 32 for run in outputs)     # the shared prefix's blocks
+    return [[(o["token_ids"], o["logprobs"]) for o in run] for run in outputs], preemptions
+
+
+def assert_same(got, expected, tolerance: float) -> None:
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
+        assert tokens == want_tokens
+        for entry, want in zip(logprobs, want_logprobs, strict=True):
+            assert entry.keys() == want.keys()
+            assert list(entry.values()) == pytest.approx(list(want.values()), abs=tolerance)
+
+
+@pytest.fixture
+def oversubscribe(monkeypatch):
+    """Three or four gloo processes on a machine of two cores are slow but correct: let Config allow
+    them (it counts cores in this process only; the workers get the checked Config)."""
+    monkeypatch.setattr(os, "cpu_count", lambda: max(4, os.sysconf("SC_NPROCESSORS_ONLN")))
+
+
+@pytest.fixture(scope="module")
+def one_stage(four_layers):
+    return generate_twice(four_layers)
+
+
+def test_layer_split():
+    assert [stage_layers(4, s, 2) for s in range(2)] == [(0, 2), (2, 4)]
+    assert [stage_layers(5, s, 3) for s in range(3)] == [(0, 2), (2, 4), (4, 5)]   # the last stage is lightest
+    assert [stage_layers(6, s, 4) for s in range(4)] == [(0, 1), (1, 3), (3, 5), (5, 6)]
+
+
+def test_two_stages_match_one(four_layers, one_stage, hf_greedy):
+    (expected, preemptions) = one_stage
+    got, pp_preemptions = generate_twice(four_layers, pipeline_parallel_size=2)
+    assert preemptions > 0 and pp_preemptions > 0
+    for run in range(2):   # the same tokens; logprobs to float32 rounding (threads and batches differ)
+        assert_same(got[run], expected[run], 1e-4)
+    for prompt, (tokens, _) in list(zip(prompts(), expected[0]))[:3]:     # and one stage is right
+        assert tokens == hf_greedy(four_layers, prompt, PARAMS.max_tokens)
+
+
+def test_three_stages_uneven_split_and_a_dead_stage(five_layers_untied, hf_greedy, oversubscribe):
+    short = prompts()[:4]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(five_layers_untied, kvcache_block_size=16, max_model_len=256, pipeline_parallel_size=3)
+    executor = llm.engine.core.executor
+    assert (executor.driver.model.start_layer, len(executor.driver.attention_layers)) == (0, 2)
+    assert executor.driver.kv_cache.tensor.shape[1] == 2       # the pool holds this stage's layers only
+    out = llm.generate(short, greedy, use_tqdm=False)
+    assert [o["token_ids"] for o in out] == [hf_greedy(five_layers_untied, p, 8) for p in short]
+
+    stage = executor.processes[0].process     # rank 1, the middle stage, dies in the middle of generate
+    threading.Timer(1.0, stage.kill).start()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pipeline stage 1, tensor-parallel rank 0\) died"):
+        llm.generate([[5] * 50] * 8, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - start < 60     # the process group would wait 10 minutes
+    pids = [p.process.pid for p in executor.processes]
+    llm.shutdown()
+    assert not mp.active_children()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_two_stages_of_two_tensor_parallel_ranks(four_layers, one_stage, oversubscribe):
+    got, _ = generate_twice(four_layers, tensor_parallel_size=2, pipeline_parallel_size=2)
+    expected, _ = one_stage
+    for run in range(2):    # tensor parallelism sums in another order: logprobs agree to rounding
+        assert_same(got[run], expected[run], 2e-4)
+    assert not mp.active_children()
+
+
+@pytest.mark.parametrize("engine_args, message", [
+    (dict(pipeline_parallel_size=0), "pipeline_parallel_size"),
+    (dict(pipeline_parallel_size=5), "pipeline_parallel_size=5 is more than the model's 4 layers"),
+    (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "pipeline_parallel_size=2 = 4 ranks"),
+    (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     "speculative_config"),
+])
+def test_bad_sizes(four_layers, engine_args, message, monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    with pytest.raises(ValueError, match=message):
+        Config(four_layers, **engine_args)
+    with pytest.raises(ValueError, match=message):     # and the engine starts no process
+        LLM(four_layers, **engine_args)
+    assert not mp.active_children()
