@@ -35,7 +35,8 @@ class EngineCore:
         self.scheduler = Scheduler(config, self._new_block_manager(),
                                    0 if spec is None else spec.num_speculative_tokens)
         # Tensor-parallel worker processes need every step's token ids on the host first: no overlap.
-        self.overlap = config.tensor_parallel_size == 1
+        # A pooling request ends with its prefill: it must be finished before the next step is scheduled.
+        self.overlap = config.tensor_parallel_size == 1 and config.runner == "generate"
         self.in_flight: LaunchedStep | None = None
         self.requests: dict[Hashable, Sequence] = {}   # first sequence of each live or unreturned request
         self.finished: list[Hashable] = []             # requests done since the engine last looked
@@ -134,6 +135,8 @@ class EngineCore:
         step, self.in_flight = self.in_flight, None
         if step.draft_lens is not None:
             grown = self._collect_verified(step)
+        elif step.embeddings is not None:
+            grown = self._collect_pooled(step)
         else:
             grown = self._collect_sampled(step, grammars)
         self._free_draft_shadows()
@@ -157,6 +160,18 @@ class EngineCore:
                 self.scheduler.finish(seq, "stop")
             self._after_token(seq)
         return grown
+
+    def _collect_pooled(self, step: LaunchedStep) -> list[Sequence]:
+        """A pooling step: each sequence whose prefill it finished gets its embedding and ends."""
+        done = []
+        for seq, embedding in zip(step.seqs, self.executor.collect_embeddings(step)):
+            if seq.is_finished:                       # aborted while the step ran
+                continue
+            seq.embedding = embedding
+            self.scheduler.finish(seq, "stop")
+            self._note_if_done(seq.request_id)
+            done.append(seq)
+        return done
 
     def _collect_verified(self, step: LaunchedStep) -> list[Sequence]:
         token_ids, logprobs, num_accepted = self.executor.collect_verified(step)

@@ -64,6 +64,9 @@ class Worker(WorkerRollout):
                                     world_size=self.world_size, rank=rank, timeout=timedelta(minutes=10))
         with torch.device(self.device), default_dtype(config.torch_dtype):
             self.model = build_model(config.model_config)
+        self.pooling = config.runner == "pooling"      # returns hidden states: no LM head, no sampling
+        if self.pooling:
+            self.model.lm_head = None
         self.checkpoint_kv_scales = load_model(self.model, config)
         self.model.eval()
         self.weight_bytes = weight_bytes(self.model)   # this rank's
@@ -89,7 +92,7 @@ class Worker(WorkerRollout):
         self.kv_cache.allocate(self.num_kvcache_blocks)
         if self.is_cuda:
             self._run_cached_prefill()
-        if self.is_cuda and not config.enforce_eager:
+        if self.is_cuda and not config.enforce_eager and not self.pooling:   # pooling never decodes
             self._capture_graphs(self.multi_token_len)
 
     def _capture_graphs(self, multi_token_len: int | None) -> None:
@@ -171,6 +174,9 @@ class Worker(WorkerRollout):
                             np.full(num_tokens, -1), np.array(lens), cu, np.zeros((len(lens), 1), np.int64),
                             cu[1:] - 1)
         self.execute(inputs)
+        if self.pooling:
+            torch.cuda.synchronize(self.device)
+            return
         # the largest decode batch's logits and sampling
         hidden = torch.zeros(config.max_num_seqs, config.model_config.hidden_size, device=self.device)
         logits = self.model.compute_logits(hidden.to(config.torch_dtype))
@@ -234,7 +240,8 @@ class Worker(WorkerRollout):
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Run the model on one step's inputs; logits of the sampled rows (on rank 0)."""
+        """Run the model on one step's inputs; logits of the sampled rows (on rank 0), or under
+        runner="pooling" their final hidden states."""
         if len(inputs.kv_offloads) or len(inputs.kv_loads):    # the prefix cache's host tier
             self.host_kv_cache.transfer(inputs.kv_offloads, inputs.kv_loads)
         if len(inputs.block_copies):    # copy-on-write of blocks shared by forked sequences
@@ -256,7 +263,7 @@ class Worker(WorkerRollout):
             rows = inputs.logits_indices
         if len(rows) != len(hidden):
             hidden = hidden[self.host_to_device(rows)]
-        return self.model.compute_logits(hidden)
+        return hidden if self.pooling else self.model.compute_logits(hidden)
 
     def close(self) -> None:
         """Free this rank's device memory (the executor leaves the process group)."""
