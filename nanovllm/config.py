@@ -36,6 +36,7 @@ class Config:
     kv_offload_gib: float = 0.0           # host memory for evicted prefix-cache blocks (all ranks); 0: none
     quantization: str | None = None       # None: as the checkpoint is; "fp8": quantize a 16-bit one while loading
     scheduling_policy: str = "fcfs"       # "priority": requests by (priority, arrival); "fcfs" ignores priority
+    runner: str = "generate"              # "pooling": embeddings (LLM.embed), no LM head, no sampling
     revision: str | None = None           # a Hugging Face repo id's branch, tag or commit (None: main)
     download_dir: str | None = None       # where repo ids are downloaded (None: the Hugging Face cache)
     # Derived from the arguments and the checkpoint, not passed by users.
@@ -145,6 +146,13 @@ class Config:
         check_number("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.runner not in ("generate", "pooling"):
+            raise ValueError(f"runner must be 'generate' or 'pooling', got {self.runner!r}")
+        if self.runner == "pooling" and self.speculative_config is not None:
+            raise ValueError("speculative_config: a runner='pooling' engine only prefills; leave it out")
+        if self.runner == "pooling" and self.pipeline_parallel_size > 1:
+            raise ValueError("runner='pooling' runs on one pipeline stage (pipeline_parallel_size=1); "
+                             "tensor_parallel_size spreads it over several devices")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         for name in ("enable_prefix_caching", "enforce_eager"):

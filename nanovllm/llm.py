@@ -13,6 +13,7 @@ from nanovllm.engine.beam_search import BeamSearch
 from nanovllm.engine.chat_template import Message
 from nanovllm.engine.input_processor import Prompt, check_prompt_list, pair_prompts_with_params
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.pooling_params import PoolingParams
 from nanovllm.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 from nanovllm.utils.validation import priorities
 
@@ -58,6 +59,20 @@ class LLM:
         ranks = priorities(priority, len(requests))
         return self._run_until_done([engine.add_checked(token_ids, sp, priority=rank)
                                      for (token_ids, sp), rank in zip(requests, ranks)], use_tqdm)
+
+    def embed(self, prompts: list[Prompt], dimensions: int | None = None, use_tqdm: bool = False,
+              priority: int | list[int] = 0) -> list[dict]:
+        """The embedding of every prompt, in order (an engine of runner="pooling"; docs/embeddings.md):
+        one dict per prompt whose `embedding` is its last token's final hidden state, L2-normalised,
+        truncated to `dimensions` and normalised again when given."""
+        engine = self.engine
+        engine.check_running()
+        check_prompt_list(prompts)
+        params = engine.inputs.check_pooling_params(PoolingParams(dimensions))
+        token_ids = [engine.inputs.encode_prompt(p) for p in prompts]
+        ranks = priorities(priority, len(token_ids))
+        return self._run_until_done([engine.add_checked(ids, params, priority=rank)
+                                     for ids, rank in zip(token_ids, ranks)], use_tqdm)
 
     def beam_search(self, prompts: list[Prompt], params: BeamSearchParams, use_tqdm: bool = False) -> list[dict]:
         """Beam search for every prompt (see engine/beam_search.py); one dict per prompt, in order,

@@ -161,3 +161,11 @@ def delta_texts(chunk: str) -> list[str]:
 def test_bad_priority_is_a_400(http, priority):
     response = http.post("/v1/completions", json={"prompt": TEXT, "max_tokens": 1, "priority": priority})
     assert "priority" in assert_error(response, 400, "priority")
+
+
+def test_embeddings_on_a_generating_server(http):
+    """/v1/embeddings needs `--runner pooling` (tests/test_embeddings.py); here a 400 that says so."""
+    response = http.post("/v1/embeddings", json={"model": MODEL_NAME, "input": "hi"})
+    assert response.status_code == 400, response.text
+    assert "--runner pooling" in response.json()["error"]["message"]
+    assert http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1}).status_code == 200

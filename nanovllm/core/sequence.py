@@ -53,6 +53,8 @@ class Sequence:
         self.cum_logprob = 0.0            # beam search: sum of the chosen tokens' logprobs
         self.beam_candidates: dict[int, float] | None = None   # beam search: next tokens' logprobs
         self.grammar = None               # its SequenceGrammar, under structured outputs
+        self.pooling_params = None        # a pooling request's PoolingParams: it ends after its prefill
+        self.embedding: list[float] | None = None   # a pooling request's, once its prefill is collected
 
     @property
     def prefill_target(self) -> int:

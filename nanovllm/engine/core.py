@@ -34,9 +34,10 @@ class EngineCore:
         self.executor = Executor(config)
         self.scheduler = Scheduler(config, self._new_block_manager(),
                                    0 if spec is None else spec.num_speculative_tokens)
-        # Worker processes (tensor-parallel ranks, pipeline stages) need every step's token ids on
-        # the host first: no overlap.
-        self.overlap = config.world_size == 1
+        # Worker processes (tensor-parallel ranks, pipeline stages) need every step's token ids on the
+        # host first; a pooling request ends with its prefill and must finish before the next step is
+        # scheduled: no overlap for either.
+        self.overlap = config.world_size == 1 and config.runner == "generate"
         self.in_flight: LaunchedStep | None = None
         self.requests: dict[Hashable, Sequence] = {}   # first sequence of each live or unreturned request
         self.finished: list[Hashable] = []             # requests done since the engine last looked
@@ -135,6 +136,8 @@ class EngineCore:
         step, self.in_flight = self.in_flight, None
         if step.draft_lens is not None:
             grown = self._collect_verified(step)
+        elif step.embeddings is not None:
+            grown = self._collect_pooled(step)
         else:
             grown = self._collect_sampled(step, grammars)
         self._free_draft_shadows()
@@ -158,6 +161,18 @@ class EngineCore:
                 self.scheduler.finish(seq, "stop")
             self._after_token(seq)
         return grown
+
+    def _collect_pooled(self, step: LaunchedStep) -> list[Sequence]:
+        """A pooling step: each sequence whose prefill it finished gets its embedding and ends."""
+        done = []
+        for seq, embedding in zip(step.seqs, self.executor.collect_embeddings(step)):
+            if seq.is_finished:                       # aborted while the step ran
+                continue
+            seq.embedding = embedding
+            self.scheduler.finish(seq, "stop")
+            self._note_if_done(seq.request_id)
+            done.append(seq)
+        return done
 
     def _collect_verified(self, step: LaunchedStep) -> list[Sequence]:
         token_ids, logprobs, num_accepted = self.executor.collect_verified(step)

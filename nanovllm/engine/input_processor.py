@@ -10,6 +10,7 @@ from nanovllm.config import Config
 from nanovllm.core.sequence import Sequence
 from nanovllm.engine.chat_template import Message, apply_chat_template
 from nanovllm.engine.grammars import StructuredOutputManager
+from nanovllm.pooling_params import PoolingParams
 from nanovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -61,8 +62,27 @@ class InputProcessor:
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         return encode_prompt(self.tokenizer, self.config, prompt)
 
+    def check_runner(self, params: SamplingParams | PoolingParams) -> None:
+        """A generating engine takes SamplingParams, a pooling one PoolingParams; else a ValueError."""
+        if self.config.runner == "pooling" and not isinstance(params, PoolingParams):
+            raise ValueError("runner: this engine was started with runner='pooling', which computes embeddings "
+                             "(LLM.embed, /v1/embeddings); start one with runner='generate' to generate text")
+        if self.config.runner == "generate" and isinstance(params, PoolingParams):
+            raise ValueError("runner: this engine was started with runner='generate'; start one with "
+                             "runner='pooling' (nanovllm serve --runner pooling) to compute embeddings")
+
+    def check_pooling_params(self, pooling_params) -> PoolingParams:
+        if not isinstance(pooling_params, PoolingParams):
+            raise TypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
+        self.check_runner(pooling_params)
+        pooling_params.validate(self.config.model_config.hidden_size)
+        return pooling_params
+
     def check_sampling_params(self, sampling_params) -> SamplingParams:
         """Validate again (fields may have changed since construction), against this vocabulary."""
+        if isinstance(sampling_params, PoolingParams):
+            return self.check_pooling_params(sampling_params)
+        self.check_runner(sampling_params)
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         sampling_params.validate()
@@ -74,9 +94,15 @@ class InputProcessor:
             self.grammars().compile(sampling_params.structured_outputs)
         return sampling_params
 
-    def new_sequence(self, token_ids: list[int], sampling_params: SamplingParams,
+    def new_sequence(self, token_ids: list[int], sampling_params: SamplingParams | PoolingParams,
                      request_id: Hashable | None = None, priority: int = 0) -> Sequence:
-        """The first sequence of a checked request, with its grammar if it is constrained."""
+        """The first sequence of a checked request, with its grammar if it is constrained. A pooling
+        request is a sequence that samples nothing and ends once its prefill is collected."""
+        self.check_runner(sampling_params)
+        if isinstance(sampling_params, PoolingParams):
+            seq = Sequence(token_ids, SamplingParams(max_tokens=1), request_id, priority)
+            seq.pooling_params = sampling_params
+            return seq
         seq = Sequence(token_ids, sampling_params, request_id, priority)
         if sampling_params.structured_outputs is not None:
             seq.grammar = self.grammars().new_grammar(sampling_params.structured_outputs, sampling_params.ignore_eos)

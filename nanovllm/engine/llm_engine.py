@@ -19,6 +19,7 @@ from nanovllm.engine.input_processor import InputProcessor, Prompt
 from nanovllm.engine.output_processor import OutputProcessor, RequestUpdate
 from nanovllm.engine.grammars import StructuredOutputManager
 from nanovllm.engine.rollout import EngineRollout
+from nanovllm.pooling_params import PoolingParams
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.validation import check_priority
 
@@ -63,19 +64,20 @@ class LLMEngine(EngineRollout):
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | PoolingParams | None = None,
                     request_id: Hashable | None = None, priority: int = 0) -> Hashable:
         """Queue one request; returns its id (the `request_id` of its output): the one given, or a
-        new int. `priority`: lower first, under scheduling_policy="priority". Everything is checked
-        before anything is queued."""
+        new int. `priority`: lower first, under scheduling_policy="priority". A runner="pooling" engine
+        takes PoolingParams (the default there). Everything is checked before anything is queued."""
         self.check_running()
-        sampling_params = self.inputs.check_sampling_params(sampling_params or SamplingParams())
+        default = PoolingParams() if self.config.runner == "pooling" else SamplingParams()
+        sampling_params = self.inputs.check_sampling_params(sampling_params or default)
         check_priority(priority)
         if request_id is not None and request_id in self.core.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         return self.add_checked(self.inputs.encode_prompt(prompt), sampling_params, request_id, priority)
 
-    def add_checked(self, token_ids: list[int], sampling_params: SamplingParams,
+    def add_checked(self, token_ids: list[int], sampling_params: SamplingParams | PoolingParams,
                     request_id: Hashable | None = None, priority: int = 0) -> Hashable:
         """Queue a request whose prompt and parameters were checked already."""
         self.check_awake()

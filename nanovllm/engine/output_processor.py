@@ -38,7 +38,7 @@ class RequestUpdate:
                    delta_text=self.delta_text,
                    delta_token_ids=self.new_token_ids, delta_logprobs=self.new_logprobs,
                    finished=self.output is not None, finish_reason=self.finish_reason)
-        if self.output is not None:
+        if self.output is not None and "outputs" in self.output:     # (a pooling output has no completions)
             completion = self.output["outputs"][self.index]
             out.update(text=completion["text"], token_ids=completion["token_ids"], logprobs=completion["logprobs"])
         return out
@@ -103,6 +103,9 @@ class OutputProcessor:
         output = {"request_id": first.request_id, "prompt_token_ids": first.token_ids[:first.num_prompt_tokens],
                   "num_cached_tokens": first.num_cached_tokens, "prompt_logprobs": first.prompt_logprobs,
                   "weight_version": self.weight_version}
+        if first.pooling_params is not None:
+            return {**output, "embedding": first.pooling_params.apply(first.embedding),
+                    "finish_reason": first.finish_reason}
         if first.beam_search is not None:
             output["sequences"] = [{"token_ids": beam.token_ids, "text": self.decode(beam.token_ids),
                                     "cum_logprob": beam.cum_logprob, "finish_reason": beam.finish_reason}

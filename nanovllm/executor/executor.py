@@ -25,6 +25,7 @@ from nanovllm.executor.prompt_logprobs import (PromptLogprobRows, attach_prompt_
                                                compute_prompt_logprobs, plan_prompt_logprobs,
                                                with_prompt_rows)
 from nanovllm.executor.sampling_inputs import build_sampling_tensors, logprobs_by_row
+from nanovllm.executor.pooling import pool_embeddings
 from nanovllm.executor.step_inputs import build_step_inputs
 from nanovllm.sample.sampler import SamplerOutput, SamplingTensors
 from nanovllm.sample.rejection_sampler import rejection_sample
@@ -45,6 +46,7 @@ class LaunchedStep:
     logits: torch.Tensor | None = None
     sampling: SamplingTensors | None = None
     prompt_logprobs: PromptLogprobRows | None = None    # prompt positions whose logprobs it computes
+    embeddings: torch.Tensor | None = None   # runner="pooling": each sequence's embedding, instead of a token
 
     @property
     def observed_seqs(self) -> list[Sequence]:
@@ -125,6 +127,12 @@ class Executor:
         seqs = batch.sampled_seqs()
         if not seqs:
             return LaunchedStep(seqs, prompt_logprobs=prompt_rows)
+        if self.driver.pooling:     # the rows are the final hidden states of each prompt's last token
+            step = LaunchedStep(seqs, embeddings=pool_embeddings(logits).to("cpu", non_blocking=True))
+            step.done = torch.cuda.Event() if self.driver.is_cuda else None
+            if step.done is not None:
+                step.done.record()
+            return step
         if batch.draft_token_ids is not None:     # a verify step samples at once (never constrained)
             out, num_accepted = self._verify(logits, seqs, batch.draft_token_ids)
             step = LaunchedStep(seqs, draft_lens=list(map(len, batch.draft_token_ids)))
@@ -186,6 +194,11 @@ class Executor:
             return [], []
         self._wait_for_device(step.done)
         return step.out.token_ids.tolist(), logprobs_by_row(step.out, step.seqs)
+
+    def collect_embeddings(self, step: LaunchedStep) -> list[list[float]]:
+        """Wait for a pooling step; the embedding of each sequence whose prefill it finished."""
+        self._wait_for_device(step.done)
+        return step.embeddings.tolist()
 
     def collect_verified(self, step: LaunchedStep) -> tuple[list[list[int]], list[list[dict[int, float] | None]],
                                                             list[int]]:

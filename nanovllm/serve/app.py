@@ -16,6 +16,7 @@ from nanovllm.serve.chat_output import ChatOutputParsing
 from nanovllm.serve.choices import merge_choices, start_choices
 from nanovllm.serve.constraints import Constraint, output_constraint
 from nanovllm.serve.echo import echo_response
+from nanovllm.serve.embeddings import EmbeddingRequest, embedding_response
 from nanovllm.serve.errors import APIError, error_body, error_response, install_error_handlers, request_field_error
 from nanovllm.serve.metrics import ServerMetrics
 from nanovllm.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
@@ -138,6 +139,11 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
                                             "owned_by": "nanovllm", "root": llm.config.model,
                                             "max_model_len": llm.config.max_model_len}]}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: EmbeddingRequest) -> dict:
+        check_model(request.model)
+        return await embedding_response(llm, request, served_model_name)
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, http_request: Request):

@@ -99,11 +99,15 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, object]], path: 
             continue
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.tie_word_embeddings):
             continue
+        if name.startswith("lm_head.") and model.lm_head is None:     # runner="pooling" keeps no LM head
+            continue
         kv_scale = KV_SCALE_NAME.search(name)
         if kv_scale:
             layer, which = kv_scale.groups()
             kv_scales.setdefault(int(layer), {})[which] = tensor[...].float().reshape(-1)
             continue
+        if name not in wanted and model.lm_head is None and f"model.{name}" in wanted:
+            name = f"model.{name}"      # a bare decoder's checkpoint, as Qwen3-Embedding's: no "model." prefix
         if name not in wanted:
             raise ValueError(f"model: checkpoint tensor {name!r} has no place in the model")
         target, shard = wanted[name]

@@ -73,6 +73,9 @@ class Worker(WorkerRollout):
         self.parallel = init_parallel_state(rank, self.tp_size, config.pipeline_parallel_size)
         with torch.device(self.device), default_dtype(config.torch_dtype):
             self.model = build_model(config.model_config)
+        self.pooling = config.runner == "pooling"      # returns hidden states: no LM head, no sampling
+        if self.pooling:
+            self.model.lm_head = None
         self.checkpoint_kv_scales = load_model(self.model, config)
         self.model.eval()
         self.weight_bytes = weight_bytes(self.model)   # this rank's
@@ -98,7 +101,8 @@ class Worker(WorkerRollout):
         self.kv_cache.allocate(self.num_kvcache_blocks)
         if self.is_cuda:
             self._run_cached_prefill()
-        if self.is_cuda and not config.enforce_eager and self.parallel.num_stages == 1:
+        # pooling never decodes; pipeline stages run eagerly (their send/recv are not captured)
+        if self.is_cuda and not config.enforce_eager and self.parallel.num_stages == 1 and not self.pooling:
             self._capture_graphs(self.multi_token_len)
 
     def _capture_graphs(self, multi_token_len: int | None) -> None:
@@ -180,6 +184,9 @@ class Worker(WorkerRollout):
                             np.full(num_tokens, -1), np.array(lens), cu, np.zeros((len(lens), 1), np.int64),
                             cu[1:] - 1)
         self.execute(inputs)
+        if self.pooling:
+            torch.cuda.synchronize(self.device)
+            return
         # the largest decode batch's logits and sampling
         hidden = torch.zeros(config.max_num_seqs, config.model_config.hidden_size, device=self.device)
         rows = config.max_num_seqs
@@ -246,7 +253,8 @@ class Worker(WorkerRollout):
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Run the model on one step's inputs; logits of the sampled rows (on rank 0)."""
+        """Run the model on one step's inputs; logits of the sampled rows (on rank 0), or under
+        runner="pooling" their final hidden states."""
         if len(inputs.kv_offloads) or len(inputs.kv_loads):    # the prefix cache's host tier
             self.host_kv_cache.transfer(inputs.kv_offloads, inputs.kv_loads)
         if len(inputs.block_copies):    # copy-on-write of blocks shared by forked sequences
@@ -274,6 +282,8 @@ class Worker(WorkerRollout):
             return self._logits_from_last_stage(len(rows)) if self.rank == 0 else None
         if len(rows) != len(hidden):
             hidden = hidden[self.host_to_device(rows)]
+        if self.pooling:
+            return hidden
         logits = self.model.compute_logits(hidden)
         if self.parallel.num_stages > 1 and self.parallel.tp_rank == 0 and len(rows):
             send_logits(logits, 0)
