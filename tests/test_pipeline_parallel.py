@@ -124,6 +124,7 @@ def test_two_stages_of_two_tensor_parallel_ranks(four_layers, one_stage, oversub
     (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "pipeline_parallel_size=2 = 4 ranks"),
     (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
      "speculative_config"),
+    (dict(pipeline_parallel_size=2, runner="pooling"), "runner='pooling' runs on one pipeline stage"),
 ])
 def test_bad_sizes(four_layers, engine_args, message, monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
