@@ -35,8 +35,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from nanovllm.engine.chat_template import apply_chat_template
-from nanovllm.engine_loop import (ABORTED, ACCEPTED, CLOSED, FAILED, OUTPUT, REFUSED, AbortAll, AbortRequest,
-                                  AddRequest, Command, EngineLoop, Message, Stop, queue_receiver, run_engine_process)
+from nanovllm.async_rollout import AsyncRollout
+from nanovllm.engine_loop import (ABORTED, ACCEPTED, CALLED, CLOSED, FAILED, OUTPUT, REFUSED, AbortAll, AbortRequest,
+                                  AddRequest, Command, EngineCall, EngineLoop, Message, Stop, queue_receiver,
+                                  run_engine_process)
 from nanovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -126,7 +128,7 @@ class RequestStream:
         self.close()
 
 
-class AsyncLLM:
+class AsyncLLM(AsyncRollout):
     def __init__(self, model: str, engine_process: bool = True, **engine_args):
         """Start the engine (in its own process unless engine_process=False) and wait until it is
         ready; bad engine arguments raise here (TypeError, or ValueError naming the argument)."""
@@ -137,6 +139,7 @@ class AsyncLLM:
         self._lock = threading.Lock()           # guards the two dicts below, _error and _closed
         self._deliveries: dict[Hashable, _Delivery] = {}
         self._abort_replies: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_replies: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}   # EngineCall's
         self._reply_tokens = itertools.count()
         self._error: BaseException | None = None
         self._closed = False
@@ -350,6 +353,9 @@ class AsyncLLM:
                 elif kind == ABORTED:
                     if item[1] in self._abort_replies:
                         _answer(self._abort_replies.pop(item[1]), item[2])
+                elif kind == CALLED:
+                    if item[1] in self._call_replies:
+                        _answer(self._call_replies.pop(item[1]), item[3] if item[2] else _Raise(item[3]))
                 elif kind == FAILED:
                     routed += self._engine_died(item[1])
         _deliver(routed)
@@ -370,6 +376,9 @@ class AsyncLLM:
         for waiter in self._abort_replies.values():
             _answer(waiter, False)
         self._abort_replies.clear()
+        for waiter in self._call_replies.values():
+            _answer(waiter, _Raise(error))
+        self._call_replies.clear()
         return ended
 
     def _read_messages(self, conn: Connection) -> None:
@@ -420,6 +429,10 @@ class AsyncLLM:
                     self._route(([(REFUSED, command.request_id, error)], self._stats))
                 elif isinstance(command, AbortRequest) and command.reply_token is not None:
                     self._route(([(ABORTED, command.reply_token, False)], self._stats))
+                elif isinstance(command, EngineCall):
+                    self._route(([(CALLED, command.reply_token, False, TypeError(
+                        f"the arguments of {command.method} must pickle to reach the engine process: {e}"))],
+                        self._stats))
 
 
 def _deliver(items: list[tuple[_Delivery, object]]) -> None:
@@ -454,6 +467,15 @@ def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
         q.put_nowait(item)
 
 
+@dataclass(slots=True)
+class _Raise:
+    """An answer that is an error: the waiting caller raises it."""
+    error: BaseException
+
+
 def _set_result(future: asyncio.Future, value) -> None:
     if not future.done():
-        future.set_result(value)
+        if isinstance(value, _Raise):
+            future.set_exception(value.error)
+        else:
+            future.set_result(value)

@@ -11,6 +11,11 @@ Items, as tuples (kind first):
     (CLOSED, request_id)                    ended by abort-all or stop
     (ABORTED, reply_token, was_live)        the answer to an AbortRequest with a reply_token
     (FAILED, error)                         the engine failed: every request is lost
+    (CALLED, reply_token, ok, value)        the answer to an EngineCall: its result (ok) or its error
+
+An EngineCall runs a rollout method of the engine between steps (engine/rollout.py: update_weights,
+sleep, ...), or pauses / resumes the loop: while paused it runs no step (the requests keep their
+state; new ones queue) and still applies every command.
 
 An output carries deltas only (`delta_text`, `delta_token_ids`, ...), not the cumulative `text`
 and `token_ids`: those grow with the completion, and the receiving side rebuilds them, so the
@@ -37,6 +42,11 @@ logger = logging.getLogger(__name__)
 
 STREAMS_PER_STEP = 32
 ACCEPTED, REFUSED, OUTPUT, CLOSED, ABORTED, FAILED = "accepted", "refused", "output", "closed", "aborted", "failed"
+CALLED = "called"
+ENGINE_CALLS = frozenset({"update_weights", "update_weights_from_disk", "init_weight_update_group",
+                          "update_weights_from_distributed", "sleep", "wake_up", "is_sleeping",
+                          "reset_prefix_cache", "weight_version", "pause_generation", "resume_generation",
+                          "is_paused"})
 READY = "ready"                                  # the engine process's first message
 
 Prompt = str | list[int]
@@ -67,7 +77,16 @@ class Stop:
     """AbortAll, then leave the loop."""
 
 
-Command = AddRequest | AbortRequest | AbortAll | Stop
+@dataclass(slots=True)
+class EngineCall:
+    """Run one of ENGINE_CALLS between steps; answered with (CALLED, reply_token, ok, value)."""
+    method: str
+    args: tuple
+    kwargs: dict
+    reply_token: int
+
+
+Command = AddRequest | AbortRequest | AbortAll | Stop | EngineCall
 
 
 @dataclass(slots=True)
@@ -88,6 +107,7 @@ class EngineLoop:
         self._stats: dict = engine.stats()             # as of the last message
         self._num_steps = 0
         self._due_interval = 1                         # steps between a request's outputs
+        self._paused = False                           # pause_generation(): no step until resume
 
     def run(self) -> None:
         """Serve until Stop. An engine failure is sent as FAILED; then every add is refused until Stop."""
@@ -104,17 +124,19 @@ class EngineLoop:
     def _serve(self) -> None:
         engine = self.engine
         while True:
-            for command in self.receive(engine.is_finished()):
+            for command in self.receive(self._paused or engine.is_finished()):
                 if isinstance(command, AddRequest):
                     self._add(command)
                 elif isinstance(command, AbortRequest):
                     self._abort(command)
+                elif isinstance(command, EngineCall):
+                    self._call(command)
                 else:
                     self._end_all()
                     if isinstance(command, Stop):
                         self._flush()
                         return
-            if not engine.is_finished():
+            if not self._paused and not engine.is_finished():
                 self._num_steps += 1
                 self._due_interval = -(-len(self._live) // STREAMS_PER_STEP)
                 self._dispatch(engine.step_updates(self._due))
@@ -144,6 +166,27 @@ class EngineLoop:
                                                                                 state.last_index or 0)))
         if command.reply_token is not None:
             self._items.append((ABORTED, command.reply_token, was_live))
+
+    def _call(self, command: EngineCall) -> None:
+        try:
+            if command.method not in ENGINE_CALLS:
+                raise ValueError(f"method: {command.method!r} is not one of {sorted(ENGINE_CALLS)}")
+            if command.method == "pause_generation":
+                if not self._paused:        # the step in flight finishes now, on the weights it started with
+                    self._dispatch(self.engine.step_updates(self._due, drain=True))
+                self._paused, value = True, None
+            elif command.method == "resume_generation":
+                self._paused, value = False, None
+            elif command.method == "is_paused":
+                value = self._paused
+            elif command.method == "weight_version":
+                value = self.engine.weight_version
+            else:
+                value = getattr(self.engine, command.method)(*command.args, **command.kwargs)
+        except Exception as e:              # a bad call: only its caller hears of it
+            self._items.append((CALLED, command.reply_token, False, portable_exception(e)))
+            return
+        self._items.append((CALLED, command.reply_token, True, value))
 
     def _due(self, request_id: Hashable) -> bool:
         """Does this request hear from this step (see the top of this file)?"""
@@ -178,6 +221,8 @@ class EngineLoop:
                     items.append((REFUSED, command.request_id, error))
                 elif isinstance(command, AbortRequest) and command.reply_token is not None:
                     items.append((ABORTED, command.reply_token, False))
+                elif isinstance(command, EngineCall):
+                    items.append((CALLED, command.reply_token, False, error))
             if items:
                 self.send((items, self._stats))
 

@@ -93,6 +93,14 @@ class EngineCore:
             self.recover()
             raise
 
+    def drain(self, grammars: StructuredOutputManager | None) -> list[Sequence]:
+        """Collect the step in flight, launching none (before a pause); the sequences that got tokens."""
+        try:
+            return self._collect(grammars) if self.in_flight else []
+        except BaseException:
+            self.recover()
+            raise
+
     def _step(self, grammars: StructuredOutputManager | None) -> list[Sequence]:
         # proposals are made from every token so far: while speculating, no step overlaps the next
         speculates = self.scheduler.speculates()

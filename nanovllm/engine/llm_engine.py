@@ -118,13 +118,14 @@ class LLMEngine(EngineRollout):
         self.run_step()
         return [self.take_output(request_id) for request_id in list(self.finished_outputs)]
 
-    def step_updates(self, due: Callable[[Hashable], bool] | None = None) -> list[RequestUpdate]:
+    def step_updates(self, due: Callable[[Hashable], bool] | None = None, drain: bool = False) -> list[RequestUpdate]:
         """Run one scheduled step; how every sequence that advanced in it did, with text deltas. The
         update that ends a request (the last of its completions to finish) carries its output. (Beam
         searches report only at the end, to beam_search or step.) With `due`, a request for which
-        it is False reports only a completion's end; its other tokens come with a later update."""
+        it is False reports only a completion's end; its other tokens come with a later update.
+        `drain`: only collect the step in flight, launch none (AsyncLLM.pause_generation)."""
         requests = self.core.requests
-        advanced = {id(seq): seq for seq in self.run_step()
+        advanced = {id(seq): seq for seq in self.run_step(drain)
                     if seq.request_id in requests and seq.beam_search is None}
         for request_id in self.finished_outputs:      # also endings an interrupted step left unreported
             if requests[request_id].beam_search is None:
@@ -136,11 +137,12 @@ class LLMEngine(EngineRollout):
                 update.output = self.take_output(update.request_id)
         return updates
 
-    def run_step(self) -> list[Sequence]:
-        """One engine-core step; the outputs of the requests it finished wait in finished_outputs."""
+    def run_step(self, drain: bool = False) -> list[Sequence]:
+        """One engine-core step (or, drain, only the collection of the one in flight); the outputs
+        of the requests it finished wait in finished_outputs."""
         self.check_running()
         try:
-            return self.core.step(self.structured)
+            return self.core.drain(self.structured) if drain else self.core.step(self.structured)
         finally:       # also after an interrupted step: its recovery notes what had finished
             for request_id in self.core.finished:
                 self.finished_outputs[request_id] = self.outputs.build_output(self.core.requests[request_id])

@@ -14,6 +14,10 @@ from nanovllm.worker.rollout import parse_dtype
 SLEEP_TAGS = ("weights", "kv_cache")
 
 
+class EngineAsleepError(RuntimeError):
+    """A request reached an engine that is asleep (the server answers 503)."""
+
+
 class EngineRollout:
     weight_version = 0
     asleep: set[str] = frozenset()      # which of SLEEP_TAGS are asleep
@@ -23,7 +27,7 @@ class EngineRollout:
 
     def check_awake(self) -> None:
         if self.asleep:
-            raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self.asleep))} released by sleep()); "
+            raise EngineAsleepError(f"the engine is asleep ({', '.join(sorted(self.asleep))} released by sleep()); "
                                f"call wake_up() before generating")
 
     def reset_prefix_cache(self) -> bool:

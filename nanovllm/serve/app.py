@@ -11,6 +11,7 @@ from jinja2 import TemplateError
 from pydantic import ValidationError
 
 from nanovllm.async_llm import AsyncLLM, EngineClosedError, EngineDeadError
+from nanovllm.engine.rollout import EngineAsleepError
 from nanovllm.engine.chat_template import apply_chat_template
 from nanovllm.serve.chat_output import ChatOutputParsing
 from nanovllm.serve.choices import merge_choices, start_choices
@@ -24,7 +25,9 @@ from nanovllm.serve.protocol import (ChatCompletionRequest, CompletionRequest, D
 from nanovllm.serve.responses import ResponseBuilder, sse
 from nanovllm.serve.responses_api import ResponsesRequest, chat_request, responses_error
 from nanovllm.serve.responses_output import ResponsesOutput, responses_usage, stream_events
+from nanovllm.serve.rollout_routes import add_rollout_routes
 from nanovllm.serve.sampling import sampling_params
+from nanovllm.serve.token_ids import add_token_ids, check_return_token_ids
 
 CHAT_PAGE = Path(__file__).with_name("chat_page.html")
 
@@ -65,14 +68,17 @@ class APIKeyMiddleware:
 
 def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, enable_rollout_endpoints: bool = False) -> FastAPI:
     """The app; tool_choice "auto" needs enable_auto_tool_choice and a tool_call_parser (see
-    serve/tool_parsers.py), reasoning_parser splits off reasoning_content (serve/reasoning_parser.py)."""
+    serve/tool_parsers.py), reasoning_parser splits off reasoning_content (serve/reasoning_parser.py);
+    enable_rollout_endpoints adds /sleep, /update_weights_from_disk, ... (serve/rollout_routes.py)."""
     app = FastAPI(title="nanovllm", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     metrics = ServerMetrics(llm.stats, served_model_name)
+    if enable_rollout_endpoints:
+        add_rollout_routes(app, llm)
     created = int(time.time())
 
     def check_model(name: str | None) -> None:
@@ -101,6 +107,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
                                      prompt_logprobs)
         except (ValueError, TypeError) as e:
             raise request_field_error(e)
+        check_return_token_ids(request)
         check_context([len(p) for p in prompts], max_tokens,
                       "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens",
                       "prompt" if isinstance(request, CompletionRequest) else "messages")
@@ -110,6 +117,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
             if constraint is not None and str(e).startswith("structured_outputs"):
                 raise APIError(400, f"{constraint.field}: {e}", param=constraint.field)    # e.g. a schema xgrammar refuses
             raise request_field_error(e)
+        except EngineAsleepError as e:
+            raise APIError(503, str(e))
         except EngineDeadError as e:
             raise APIError(500, str(e))
         except EngineClosedError as e:
@@ -122,7 +131,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
             return ChoicesStreamingResponse(chunks, streams)
         finals = await unless_disconnected(http_request, collect(streams, request.n, metrics))
         prompt_tokens = sum(len(final["prompt_token_ids"]) for final in finals)
-        return JSONResponse(builder.response([c for final in finals for c in final["outputs"]], prompt_tokens))
+        body = builder.response([c for final in finals for c in final["outputs"]], prompt_tokens)
+        return JSONResponse(add_token_ids(body, finals, builder.chat) if request.return_token_ids else body)
 
     @app.get("/", include_in_schema=False)
     async def chat_page() -> HTMLResponse:
@@ -159,7 +169,10 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
         builder = ResponseBuilder(False, served_model_name, llm.tokenizer, request.logprobs)
         if request.echo or request.prompt_logprobs is not None:     # never streamed (protocol.py)
             finals = await unless_disconnected(http_request, collect(streams, request.n, metrics))
-            return JSONResponse(echo_response(builder, request, request.prompts(), finals))
+            body = echo_response(builder, request, request.prompts(), finals)
+            if request.return_token_ids:
+                add_token_ids(body, finals, False, drop_generated=request.max_tokens == 0)
+            return JSONResponse(body)
         return await respond(http_request, request, builder, streams)
 
     async def start_chat(request: ChatCompletionRequest) -> tuple[list, ChatOutputParsing, int]:

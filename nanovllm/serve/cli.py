@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="how the model writes its calls (hermes: Qwen's <tool_call> JSON)")
     chat.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                       help="move <think>...</think> into message.reasoning_content")
+    parser.add_argument("--enable-rollout-endpoints", action="store_true",
+                        help="serve /sleep, /wake_up, /update_weights_from_disk, /pause, ... (docs/rollout.md)")
     engine = parser.add_argument_group("engine arguments (docs/engine_args.md)")
     for field in engine_arg_fields():
         flag = "--" + field.name.replace("_", "-")
@@ -124,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"nanovllm serve: {e}")
     try:
         app = build_app(llm, args.served_model_name or args.model or "nanovllm-demo", args.api_key,
-                        args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
+                        args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser,
+                        args.enable_rollout_endpoints)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=10)
         GracefulServer(config, on_shutdown=llm.abort_all).run()

@@ -68,6 +68,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: StrictInt = 0         # lower first, when the server runs with --scheduling-policy priority
+    return_token_ids: bool | None = None     # vLLM's: prompt_token_ids and each choice's token_ids (serve/token_ids.py)
     # accepted only at their neutral value: nanovllm has no penalties
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
