@@ -145,3 +145,16 @@ def test_ray_not_installed_is_a_value_error(model, nodes, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
     with pytest.raises(ValueError, match="distributed_executor_backend='ray' needs Ray"):
         LLM(model, pipeline_parallel_size=2, distributed_executor_backend="ray", **ARGS)
+
+
+def test_ray_llm_replicas_are_local_groups(model, nodes):
+    from nanovllm.ray import RayLLM
+    with pytest.raises(ValueError, match="distributed_executor_backend: a RayLLM replica runs its ranks"):
+        RayLLM(model, num_replicas=1, distributed_executor_backend="ray", **ARGS)
+    # a replica of two stages reserves both ranks' CPUs on one node: the head (the other has one)
+    with RayLLM(model, num_replicas=1, pipeline_parallel_size=2, **ARGS) as llm:
+        assert ray.available_resources().get("CPU", 0) == 1
+        got = [(o["token_ids"], o["logprobs"]) for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    with LLM(model, pipeline_parallel_size=2, **ARGS) as reference:
+        assert got == outputs(reference)
+    assert wait_for_cpus(3) == 3
