@@ -1,5 +1,6 @@
 """Engine configuration: every engine argument in one place, validated once."""
 import glob
+import importlib.util
 import os
 from dataclasses import dataclass, field, fields, replace
 
@@ -22,6 +23,7 @@ class Config:
     dtype: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1       # stages of contiguous layers; world size = tensor x pipeline
+    distributed_executor_backend: str = "mp"   # ranks 1.. as local processes ("mp") or Ray actors ("ray")
     max_model_len: int | None = None
     max_num_seqs: int = 512
     max_num_batched_tokens: int = 16384
@@ -57,6 +59,7 @@ class Config:
         for name in ("revision", "download_dir"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise TypeError(f"{name} must be a str or None, got {getattr(self, name)!r}")
+        self._check_backend()
         self.model = resolve_model(str(self.model), self.revision, self.download_dir)
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
@@ -90,6 +93,15 @@ class Config:
                              f"from the target's ({self.model_config.vocab_size})")
         self.speculative_config = replace(spec, model=path)   # the draft's engine reads the directory
 
+    def _check_backend(self):
+        """The cluster itself (enough GPUs or CPUs for the ranks) is checked when the executor joins
+        it, still before any weight is read (executor/ray_processes.py)."""
+        backend = self.distributed_executor_backend
+        if backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got {backend!r}")
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'nanovllm[ray]'")
+
     def _check_device(self):
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
@@ -106,9 +118,10 @@ class Config:
                              "every stage needs at least one")
         sizes = f"tensor_parallel_size={tp}" if pp == 1 else \
             f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} = {tp * pp} ranks"
-        if self.device == "cuda" and tp * pp > torch.cuda.device_count():
+        local = self.distributed_executor_backend == "mp"     # Ray's ranks may be on other machines
+        if local and self.device == "cuda" and tp * pp > torch.cuda.device_count():
             raise ValueError(f"{sizes} but only {torch.cuda.device_count()} CUDA devices are visible")
-        if self.device == "cpu" and tp * pp > (os.cpu_count() or 1):
+        if local and self.device == "cpu" and tp * pp > (os.cpu_count() or 1):
             raise ValueError(f"{sizes} but this machine has only {os.cpu_count()} CPU cores")
         if pp > 1 and self.speculative_config is not None:
             raise ValueError(f"speculative_config is not supported with pipeline_parallel_size={pp}; "

@@ -136,6 +136,10 @@ class RayLLM:
         check_int("prefix_length", prefix_length, 1)
         check_number("placement_timeout_s", placement_timeout_s, 0.0, low_open=True)
         check_int("tensor_parallel_size", engine_args.get("tensor_parallel_size", 1), 1)
+        check_int("pipeline_parallel_size", engine_args.get("pipeline_parallel_size", 1), 1)
+        if engine_args.get("distributed_executor_backend", "mp") != "mp":
+            raise ValueError("distributed_executor_backend: a RayLLM replica runs its ranks as local processes "
+                             f"('mp') on one node, got {engine_args['distributed_executor_backend']!r}")
         self.model = os.path.expanduser(str(model))
         self.prefix_length = prefix_length
         self.replicas: list = []                 # actor handles; None once a replica has died
@@ -160,7 +164,8 @@ class RayLLM:
         """Reserve one bundle per replica and start the actors; returns the engine args with the
         device settled. A replica is one process that spawns its tensor-parallel workers beside it,
         and Ray grants an actor's resources from a single bundle, which always lies on one node."""
-        tp = engine_args.get("tensor_parallel_size", 1)
+        # a replica's ranks (tensor x pipeline) are processes beside it, on its node
+        tp = engine_args.get("tensor_parallel_size", 1) * engine_args.get("pipeline_parallel_size", 1)
         device = engine_args.get("device", "auto")
         if device == "auto":
             device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"

@@ -24,6 +24,7 @@ from nanovllm.executor.processes import (LOADED, WorkerCall, WorkerProcess, defe
 from nanovllm.executor.prompt_logprobs import (PromptLogprobRows, attach_prompt_logprobs,
                                                compute_prompt_logprobs, plan_prompt_logprobs,
                                                with_prompt_rows)
+from nanovllm.executor.ray_processes import RayRank, start_ray_workers, stop_ray_workers
 from nanovllm.executor.sampling_inputs import build_sampling_tensors, logprobs_by_row
 from nanovllm.executor.pooling import pool_embeddings
 from nanovllm.executor.step_inputs import build_step_inputs
@@ -56,16 +57,19 @@ class LaunchedStep:
 
 
 class Executor:
-    """Local ranks: rank 0's worker in this process, the others in worker processes."""
+    """Rank 0's worker in this process, the others in worker processes (processes.py) or Ray actors
+    (ray_processes.py, distributed_executor_backend="ray"): handles of the same interface."""
 
     def __init__(self, config: Config, multi_token_len: int | None = None):
         self.config = config
-        self.processes: list[WorkerProcess] = []
+        self.processes: list[WorkerProcess | RayRank] = []
         self.needs_restart = False    # ranks went out of step (see _execute_everywhere)
         init_method = None
         if config.world_size > 1:     # tensor-parallel ranks and pipeline stages
-            init_method, self.processes = start_worker_processes(config, multi_token_len)
-            self._stop_processes = weakref.finalize(self, stop_worker_processes, self.processes)
+            start, stop = (start_ray_workers, stop_ray_workers) if config.distributed_executor_backend == "ray" \
+                else (start_worker_processes, stop_worker_processes)
+            init_method, self.processes = start(config, multi_token_len)
+            self._stop_processes = weakref.finalize(self, stop, self.processes)
         self.driver = Worker(config, 0, init_method, multi_token_len)
         for process in self.processes:   # before the first collective, which would hang on a dead rank
             process.expect(LOADED)
@@ -180,7 +184,7 @@ class Executor:
                 return self.driver.execute(inputs)
             except BaseException as error:
                 for process in self.processes:   # a collective failing because a rank died says so
-                    process.process.join(timeout=1)
+                    process.join(timeout=1)
                     process.check_alive()
                 self.needs_restart = True
                 raise error
@@ -232,9 +236,9 @@ class Executor:
         if self.processes:
             if self.needs_restart:     # the processes wait in a collective rank 0 left: do not wait for them
                 for process in self.processes:
-                    process.process.kill()
+                    process.kill()
             self._stop_processes()
-        clean = all(process.process.exitcode == 0 for process in self.processes)
+        clean = all(process.exited_cleanly for process in self.processes)
         self.driver.close()
         if dist.is_initialized():
             if clean:

@@ -46,6 +46,17 @@ class WorkerProcess:
             raise RuntimeError(f"{self.name} died (exit code {self.process.exitcode}); "
                                "this engine cannot continue, shut it down and start a new one")
 
+    def join(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for the rank to end (a collective failing may mean it died)."""
+        self.process.join(timeout=timeout)
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    @property
+    def exited_cleanly(self) -> bool:
+        return self.process.exitcode == 0
+
     def send(self, message: StepInputs | WorkerCall) -> None:
         self.check_alive()
         self.conn.send(message)

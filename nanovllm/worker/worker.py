@@ -59,7 +59,7 @@ class Worker(WorkerRollout):
         self.block_size = config.kvcache_block_size
         self.multi_token_len = multi_token_len
         if config.device == "cuda":
-            self.device = torch.device("cuda", rank)
+            self.device = torch.device("cuda", rank % torch.cuda.device_count())   # a Ray actor sees one GPU
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
