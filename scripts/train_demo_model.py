@@ -42,10 +42,57 @@ ADDITION_QUESTIONS = ["What is {a} + {b}?", "What's {a} + {b}?", "What is {a} pl
 CAPITAL_QUESTIONS = ["What is the capital of {c}?", "What's the capital of {c}?", "Which city is the capital of {c}?",
                      "Name the capital of {c}.", "What is the capital city of {c}?"]
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# Qwen3's chat layout with its Hermes tool parts (a shorter tools preamble), without thinking: a
+# Qwen3's chat layout with its Hermes tool parts (Qwen3's tools block with a shorter preamble, calls
+# in <tool_call> blocks, tool results in <tool_response> blocks of a user turn), without thinking. A
 # conversation with no tools and no tool messages renders as `<|im_start|>role\ncontent<|im_end|>\n`
-# per message.
-CHAT_TEMPLATE = (Path(__file__).resolve().parent.parent / "nanovllm" / "demo" / "chat_template.jinja").read_text()
+# per message, as the first shipped model's template did. The checkpoint written carries it.
+CHAT_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] + '\\n\\n' }}
+    {%- endif %}
+    {{- '# Tools\\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\\n' + (tool | tojson) }}
+    {%- endfor %}
+    {{- '\\n</tools><|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if tools and loop.first and message['role'] == 'system' %}
+    {%- elif message['role'] == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- elif message['role'] == 'assistant' and message['tool_calls'] %}
+        {{- '<|im_start|>assistant\\n' + (message['content'] or '') }}
+        {%- for tool_call in message['tool_calls'] %}
+            {%- if tool_call['function'] is defined %}
+                {%- set tool_call = tool_call['function'] %}
+            {%- endif %}
+            {%- if not loop.first or message['content'] %}
+                {{- '\\n' }}
+            {%- endif %}
+            {{- '<tool_call>\\n{"name": "' + tool_call['name'] + '", "arguments": ' }}
+            {%- if tool_call['arguments'] is string %}
+                {{- tool_call['arguments'] }}
+            {%- else %}
+                {{- tool_call['arguments'] | tojson }}
+            {%- endif %}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
 # The tool as the OpenAI client sends it; the training varies its description and schema layout.
 ADD_TOOL = {"type": "function", "function": {
     "name": "add", "description": "Add two integers.",
