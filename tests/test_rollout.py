@@ -18,7 +18,8 @@ from tests.conftest import mixed_prompts
 torch.set_num_threads(2)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
 PROMPTS = mixed_prompts(500, lengths=(3, 20, 40))
-ENGINE = dict(kvcache_block_size=16, max_num_seqs=4)
+# a bounded pool: on a GPU two engines (the updated one and a fresh reference) are alive at once
+ENGINE = dict(kvcache_block_size=16, max_num_seqs=4, max_model_len=512, num_kvcache_blocks=128)
 
 
 def tensors(path: str) -> dict[str, torch.Tensor]:
