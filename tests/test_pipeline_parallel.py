@@ -3,7 +3,6 @@ a plain transformers loop), an uneven split, stages of two tensor-parallel ranks
 a dead stage, and shutdown."""
 import multiprocessing as mp
 import os
-import threading
 import time
 
 import pytest
@@ -96,14 +95,27 @@ def test_three_stages_uneven_split_and_a_dead_stage(five_layers_untied, hf_greed
     out = llm.generate(short, greedy, use_tqdm=False)
     assert [o["token_ids"] for o in out] == [hf_greedy(five_layers_untied, p, 8) for p in short]
 
-    stage = executor.processes[0].process     # rank 1, the middle stage, dies in the middle of generate
-    threading.Timer(1.0, stage.kill).start()
-    start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pipeline stage 1, tensor-parallel rank 0\) died"):
-        llm.generate([[5] * 50] * 8, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), use_tqdm=False)
-    assert time.monotonic() - start < 60     # the process group would wait 10 minutes
+    # rank 1, the middle stage, dies in the middle of a generate: after the step's inputs went out and
+    # while rank 0 runs its own share, so rank 0 meets the death inside the step's send/recv
+    stage, execute, calls = executor.processes[0].process, executor.driver.execute, []
+
+    def execute_after_killing_the_middle_stage(inputs):
+        calls.append(inputs)
+        if len(calls) == 20:
+            stage.kill()
+            stage.join()
+        return execute(inputs)
+
+    executor.driver.execute = execute_after_killing_the_middle_stage
     pids = [p.process.pid for p in executor.processes]
-    llm.shutdown()
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"worker rank 1 \(pipeline stage 1, tensor-parallel rank 0\) died"):
+            llm.generate([[5] * 50] * 8, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                         use_tqdm=False)
+        assert len(calls) >= 20 and time.monotonic() - start < 60     # the process group would wait 10 minutes
+    finally:
+        llm.shutdown()
     assert not mp.active_children()
     for pid in pids:
         with pytest.raises(ProcessLookupError):
