@@ -18,7 +18,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from nanovllm.demo import model_path
-from tests.test_serve import engine_flags, free_port, start_server, wait_ready
+from tests.test_serve import engine_flags, running_server
 
 REPO = Path(__file__).resolve().parent.parent
 NOT_LEARNED = pytest.mark.xfail(strict=True, reason="the shipped demo model has not learned the add tool yet "
@@ -35,13 +35,9 @@ ADD_TOOL = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def base_url():
-    port = free_port()
-    process = start_server(None, port, "--served-model-name", MODEL_NAME, "--enable-auto-tool-choice",
-                           "--tool-call-parser", "hermes", *engine_flags(ENGINE_ARGS))
-    wait_ready(process, port)
-    yield f"http://127.0.0.1:{port}/v1"
-    process.kill()
-    process.wait(60)
+    with running_server(None, "--served-model-name", MODEL_NAME, "--enable-auto-tool-choice",
+                        "--tool-call-parser", "hermes", *engine_flags(ENGINE_ARGS)) as url:
+        yield f"{url}/v1"
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from transformers import AutoModel, AutoTokenizer
 from nanovllm import LLM, SamplingParams
 from nanovllm.checkpoints.random_checkpoint import write_tiny_model
 from tests.conftest import mixed_prompts
-from tests.test_serve import engine_flags, free_port, start_server, wait_ready
+from tests.test_serve import engine_flags, running_server
 
 MODEL_NAME = "tiny-embed"
 # small token budget: the long prompts are prefilled in chunks; 16-token blocks: prefix hits
@@ -118,15 +118,9 @@ def test_embed_on_generating_engine(model_paths):
 
 @pytest.fixture(scope="module")
 def base_url(path):
-    port = free_port()
-    process = start_server(path, port, "--served-model-name", MODEL_NAME, "--runner", "pooling",
-                           *engine_flags(ENGINE_ARGS))
-    try:
-        wait_ready(process, port)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        process.kill()
-        process.wait(60)
+    with running_server(path, "--served-model-name", MODEL_NAME, "--runner", "pooling",
+                        *engine_flags(ENGINE_ARGS)) as url:
+        yield f"{url}/v1"
 
 
 @pytest.fixture(scope="module")

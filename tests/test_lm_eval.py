@@ -12,7 +12,7 @@ import openai  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.test_serve import REPO, free_port, start_server, wait_ready  # noqa: E402
+from tests.test_serve import REPO, running_server  # noqa: E402
 
 TASKS = os.path.join(REPO, "tests", "lm_eval_task")
 PROMPT = "The cat sat on the mat, and then it"
@@ -25,15 +25,8 @@ def path(model_paths) -> str:
 
 @pytest.fixture(scope="module")
 def server(path):
-    port = free_port()
-    process = start_server(path, port, "--served-model-name", "tiny", "--kvcache-block-size", "16",
-                           "--max-num-batched-tokens", "24", "--max-num-seqs", "4", "--max-model-len", "128")
-    try:
-        wait_ready(process, port)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.kill()
-        process.wait(60)
+    with running_server(path, "--served-model-name", "tiny", "--kvcache-block-size", "16", "--max-num-batched-tokens", "24", "--max-num-seqs", "4", "--max-model-len", "128") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server as clients use it: a live `python -m nanovllm.serve` on a tiny
 random model, driven by the real `openai` client (and raw HTTP where the client hides details),
 judged against offline `LLM.generate` / `LLM.chat` on the same model."""
+import contextlib
 import json
 import os
 import re
@@ -58,6 +59,19 @@ def wait_ready(server: subprocess.Popen, port: int, timeout: float = 180.0) -> N
         time.sleep(0.2)
     server.kill()
     raise RuntimeError("the server did not become ready")
+
+
+@contextlib.contextmanager
+def running_server(path: str | None, *flags: str):
+    """A live `nanovllm serve` on a free port for the block; its base URL. Killed after."""
+    port = free_port()
+    process = start_server(path, port, *flags)
+    try:
+        wait_ready(process, port)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.kill()
+        process.wait(60)
 
 
 @pytest.fixture(scope="module")

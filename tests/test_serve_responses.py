@@ -19,7 +19,7 @@ from nanovllm.serve.reasoning_parser import qwen3
 from nanovllm.serve.responses_api import ResponsesRequest
 from nanovllm.serve.responses_output import ResponsesOutput
 from nanovllm.serve.tool_parsers import hermes
-from tests.test_serve import engine_flags, free_port, start_server, wait_ready
+from tests.test_serve import engine_flags, running_server
 
 MODEL_NAME = "demo"
 ENGINE_ARGS = dict(device="cpu", max_model_len=1024, kvcache_block_size=16, num_kvcache_blocks=256)
@@ -36,15 +36,8 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimu
 
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    process = start_server(None, port, "--served-model-name", MODEL_NAME, "--enable-auto-tool-choice",
-                           "--tool-call-parser", "hermes", *engine_flags(ENGINE_ARGS))
-    try:
-        wait_ready(process, port)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.kill()
-        process.wait(60)
+    with running_server(None, "--served-model-name", MODEL_NAME, "--enable-auto-tool-choice", "--tool-call-parser", "hermes", *engine_flags(ENGINE_ARGS)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.checkpoints.random_checkpoint import write_tiny_model
-from tests.test_serve import engine_flags, free_port, start_server, wait_ready
+from tests.test_serve import engine_flags, running_server
 
 torch.set_num_threads(1)
 ENGINE_ARGS = dict(device="cpu", max_model_len=256, kvcache_block_size=16, num_kvcache_blocks=64)
@@ -41,12 +41,8 @@ def reference(paths) -> dict[str, list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def server(paths):
-    port = free_port()
-    process = start_server(paths["a"], port, "--enable-rollout-endpoints", *engine_flags(ENGINE_ARGS))
-    wait_ready(process, port)
-    yield f"http://127.0.0.1:{port}"
-    process.kill()
-    process.wait(60)
+    with running_server(paths["a"], "--enable-rollout-endpoints", *engine_flags(ENGINE_ARGS)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
