@@ -8,7 +8,10 @@ The shipped weights have not learned the tool yet (docs/demo_model.md, "The add 
 fine-tuning within its budget taught the format but not the copying of the numbers), so the tests of
 tool behaviour are strict xfails: they fail the suite once a checkpoint that calls the tool ships,
 so that they are turned into plain tests then. The chat template the training script writes is
-checked here too: the Hermes layout with tools, and byte for byte the shipped rendering without."""
+checked here too: the Hermes layout with tools, and byte for byte the shipped rendering without.
+LangChain's ChatOpenAI runs for real on what the model does know: invoke and stream give the openai
+client's answer, and with_structured_output and a forced tool follow their schemas (the server
+constrains them)."""
 import importlib.util
 import json
 from pathlib import Path
@@ -184,3 +187,45 @@ def test_agents_sdk_function_tool_runs_to_the_answer(base_url):
     result = agents.Runner.run_sync(agent, "What is 123 + 456?", max_turns=4)
     assert calls == [(123, 456)]
     assert result.final_output == "579"
+
+
+# ---- LangChain's ChatOpenAI on what the demo model does know ---------------------------------------
+
+def chat_model(base_url, **kwargs):
+    from langchain_openai import ChatOpenAI
+    return ChatOpenAI(base_url=base_url, api_key="none", model=MODEL_NAME, temperature=0, max_retries=0,
+                      timeout=300, **kwargs)
+
+
+def test_langchain_invoke_and_stream_give_the_openai_clients_answer(base_url, client):
+    question = "What is 123 + 456?"
+    expected = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": question}],
+                                              temperature=0, max_tokens=20).choices[0].message.content
+    llm = chat_model(base_url, max_tokens=20)
+    assert "579" in expected and llm.invoke(question).content == expected
+    chunks = [chunk.content for chunk in llm.stream(question)]
+    assert len(chunks) > 1 and "".join(chunks) == expected
+
+
+def test_langchain_structured_output_and_a_forced_tool_follow_their_schemas(base_url):
+    """with_structured_output (json_schema) and bind_tools with a named tool_choice are constrained by
+    the server, whatever the weights know: the results validate against the schemas. Bounded integers,
+    because a weak model under an unbounded integer writes digits until max_tokens."""
+    import jsonschema
+    from pydantic import BaseModel, Field
+
+    class Sum(BaseModel):
+        """The answer to an addition."""
+        answer: int = Field(ge=0, le=1998)
+
+    class add(BaseModel):          # the tool's name is the class name, as LangChain sends it
+        """Add two integers."""
+        a: int = Field(ge=0, le=999)
+        b: int = Field(ge=0, le=999)
+
+    llm = chat_model(base_url, max_tokens=60)
+    result = llm.with_structured_output(Sum, method="json_schema").invoke("What is 123 + 456?")
+    assert isinstance(result, Sum) and 0 <= result.answer <= 1998
+    message = llm.bind_tools([add], tool_choice="add").invoke("What is 123 + 456?")
+    assert [call["name"] for call in message.tool_calls] == ["add"]
+    jsonschema.validate(message.tool_calls[0]["args"], add.model_json_schema())
