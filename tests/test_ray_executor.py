@@ -14,7 +14,9 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import placement_group_table  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
-from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm import LLM
+from nanovllm.executor.processes import MULTICAST_OFF
+from tests.test_tensor_parallel import process_environment, SamplingParams  # noqa: E402
 from nanovllm.checkpoints.random_checkpoint import write_tiny_model  # noqa: E402
 from tests.test_ray import wait_until_gone  # noqa: E402
 
@@ -84,6 +86,7 @@ def test_two_stages_on_two_nodes_match_mp(model, nodes):
             [rank1] = ranks_of(llm)
             assert ray.get(rank1.actor.where.remote())[0] == second, "stage 1 sits on the other node"
             assert rank1.node_id == second
+            assert MULTICAST_OFF.items() <= process_environment(rank1.pid).items()    # NVLS stays off there too
             assert [outputs(llm), outputs(llm)] == expected
             pid = rank1.pid
         # shutdown: the actor is gone, its placement groups removed, every CPU free again

@@ -11,7 +11,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.checkpoints.random_checkpoint import write_tiny_model
-from nanovllm.executor.processes import WorkerCall
+from nanovllm.executor.processes import MULTICAST_OFF, WorkerCall
 from tests.conftest import mixed_prompts
 
 pytestmark = pytest.mark.skipif(
@@ -128,6 +128,12 @@ def test_interrupts_on_the_tensor_parallel_path(model_paths, hf_greedy, monkeypa
     assert not mp.active_children()
 
 
+def process_environment(pid: int) -> dict[str, str]:
+    """The environment a process started with (Linux)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(item.decode().split("=", 1) for item in f.read().split(b"\0") if b"=" in item)
+
+
 def test_collective_rpc_runs_a_worker_method_on_every_rank(model_paths):
     """The executor's seam for work beyond steps (weight updates, sleep): a Worker method runs on
     every rank with the same arguments, results in rank order; a call that fails on a worker
@@ -137,6 +143,8 @@ def test_collective_rpc_runs_a_worker_method_on_every_rank(model_paths):
         copies = executor.collective_rpc("host_to_device", np.arange(3))
         assert len(copies) == 2 and all(copy.tolist() == [0, 1, 2] for copy in copies)
         rank1 = executor.processes[0]
+        # NVLink multicast stays off in every rank (on shared machines it can take the GPUs out of service)
+        assert MULTICAST_OFF.items() <= process_environment(rank1.process.pid).items()
         rank1.send(WorkerCall("host_to_device", ("not an array",)))
         status, trace = rank1.answer()
         assert status == "error" and "TypeError" in trace

@@ -8,6 +8,7 @@ every position of each sequence and keeps a prefix of its proposals (sample/reje
 It holds the host's view of a step (its sequences); workers hold only tensors. It never decides
 what runs; the scheduler does.
 """
+import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.core.sequence import Sequence
 from nanovllm.core.step import ScheduledBatch, StepInputs
-from nanovllm.executor.processes import (LOADED, WorkerCall, WorkerProcess, deferred_keyboard_interrupt,
+from nanovllm.executor.processes import (LOADED, MULTICAST_OFF, WorkerCall, WorkerProcess, deferred_keyboard_interrupt,
                                          start_worker_processes, stop_worker_processes)
 from nanovllm.executor.prompt_logprobs import (PromptLogprobRows, attach_prompt_logprobs,
                                                compute_prompt_logprobs, plan_prompt_logprobs,
@@ -66,6 +67,7 @@ class Executor:
         self.needs_restart = False    # ranks went out of step (see _execute_everywhere)
         init_method = None
         if config.world_size > 1:     # tensor-parallel ranks and pipeline stages
+            os.environ.update(MULTICAST_OFF)
             start, stop = (start_ray_workers, stop_ray_workers) if config.distributed_executor_backend == "ray" \
                 else (start_worker_processes, stop_worker_processes)
             init_method, self.processes = start(config, multi_token_len)

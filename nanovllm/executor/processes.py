@@ -20,6 +20,9 @@ from nanovllm.core.step import StepInputs
 from nanovllm.worker.worker import Worker
 
 LOADED = "loaded"
+# NVLink multicast (NVLS) stays off on every rank: on shared machines a multicast object can take the
+# host's GPUs out of service. Set in rank 0's process before any other rank starts, so they inherit it.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.core.step import StepInputs
-from nanovllm.executor.processes import LOADED, WorkerCall
+from nanovllm.executor.processes import LOADED, MULTICAST_OFF, WorkerCall
 from nanovllm.worker.worker import Worker
 
 # How long to wait for the cluster to grant every stage's bundles, and for actors to stop.
@@ -225,7 +225,8 @@ def start_ray_workers(config: Config, multi_token_len: int | None = None) -> tup
             stage, tp_rank = divmod(rank, tp)
             actor = actor_class.options(
                 num_cpus=1 if resource == "CPU" else 0, num_gpus=1 if resource == "GPU" else 0,
-                name=None, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                name=None, runtime_env={"env_vars": MULTICAST_OFF},   # actors do not inherit the driver's
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
                     group.placement_groups[stage], placement_group_bundle_index=tp_rank)).remote()
             name = f"worker rank {rank} (pipeline stage {stage}, tensor-parallel rank {tp_rank})"
             ranks.append(RayRank(rank, actor, name, "?", "?", 0, group))
