@@ -3,29 +3,20 @@ pickled through the pipe) and on a thread: updates, sleep and wake judged agains
 each checkpoint; pause / update / resume mid-request judged against transformers continuing with
 the new weights over the K/V the old ones left."""
 import asyncio
-import glob
-import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from nanovllm import LLM, AsyncLLM, SamplingParams
 from nanovllm.checkpoints.random_checkpoint import write_tiny_model
 from nanovllm.engine.rollout import EngineAsleepError
 from tests.conftest import mixed_prompts
+from tests.test_rollout import tensors
 
 torch.set_num_threads(1)
 ENGINE_ARGS = dict(device="cpu", max_model_len=256, kvcache_block_size=16, num_kvcache_blocks=64)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = mixed_prompts(500, lengths=(3, 20))
-
-
-def tensors(path: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        out.update(load_file(file))
-    return out
 
 
 @pytest.fixture(scope="module")
