@@ -6,7 +6,7 @@ how much of the GPU memory the engine held is free while it sleeps.
 
 The weights are random tensors under the checkpoint's names (as a trainer's state_dict() names
 them), drawn on the device in bfloat16; host copies are plain (pageable) CPU tensors, as a state
-dict moved off the GPU is. Every phase is checked: the same greedy tokens after an update with the
+dict moved off the GPU is, and pinned ones, as a trainer that keeps its copy pinned has. Every phase is checked: the same greedy tokens after an update with the
 weights the engine already holds, after level-1 sleep, and after level-2 sleep plus an update.
 """
 import argparse
@@ -65,6 +65,10 @@ def main() -> None:
         timed("update_weights from device tensors", lambda: llm.update_weights(on_device))
     for _ in range(args.repeats):
         timed("update_weights from host tensors", lambda: llm.update_weights(on_host))
+    pinned = [(name, tensor.pin_memory()) for name, tensor in on_host]
+    for _ in range(args.repeats):
+        timed("update_weights from pinned host tensors", lambda: llm.update_weights(pinned))
+    del pinned
     assert tokens() == expected, "an update with the same weights changed the greedy tokens"
     del on_device
     torch.cuda.empty_cache()

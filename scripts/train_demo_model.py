@@ -2,8 +2,9 @@
 
     python scripts/train_demo_model.py --out nanovllm/demo        # the shipped model: 7 minutes on one H100
     python scripts/train_demo_model.py --out /tmp/demo --steps 30 --batch-size 64 --eval-every 10   # a CPU check
-    python scripts/train_demo_model.py --out nanovllm/demo --init-from nanovllm/demo --tool-batch-size 16 \
-        --steps 200 --batch-size 32 --lr 5e-4 --warmup 20 --eval-every 100    # teach the shipped model the add tool
+    python scripts/train_demo_model.py --out nanovllm/demo --init-from nanovllm/demo --tool-batch-size 128 \
+        --multi-turn-batch-size 256 --batch-size 512 --lr 5e-4 --warmup 100 --time-limit 240
+        # fine-tune the shipped model: the add tool and follow-up questions (4 minutes on one H200)
 
 The data is generated chat conversations: `What is A + B?` (0 <= A, B <= 999) answered with the
 sum, `What is the capital of C?` answered with the capital from capitals.tsv, and a few paraphrases
@@ -18,7 +19,9 @@ every batch: the `add` tool offered through the chat template (Qwen3's Hermes la
 tool's description, schema key order and extra schema fields varied as clients send them), a sum
 question answered by `<tool_call>{"name": "add", "arguments": {"a": A, "b": B}}</tool_call>`, the
 tool's result in a tool message and the final answer; capital questions asked with the tool on
-offer are answered directly. The loss covers both assistant turns.
+offer are answered directly. The loss covers both assistant turns. --multi-turn-batch-size N adds
+N conversations of two or three exchanges (later questions often build on the previous answer:
+`What is 579 + 1?` after 579), the loss on every answer.
 """
 import argparse
 import json
@@ -249,6 +252,42 @@ class ToolConversationSampler:
         return chat_segments(self.tokenizer, tool_conversation(question, a, b, system), tools)
 
 
+class MultiTurnSampler:
+    """Conversations of two or three exchanges, as a chat page sends them: each later question a sum
+    (half of them adding to the previous answer, `What is 579 + 1?`) or a capital."""
+
+    def __init__(self, seed: int, capitals: list[tuple[str, str]], capital_share: float):
+        self.rng = random.Random(f"multi-turn-{seed}")
+        self.single = ConversationSampler(seed + 1000, capitals, capital_share)
+
+    def sample(self) -> list[dict]:
+        rng = self.rng
+        messages, previous = [], None
+        for _ in range(rng.randint(2, 3)):
+            question, answer = self.single.sample()
+            if previous is not None and previous.isdigit() and rng.random() < 0.5:
+                b = sample_operand(rng)
+                question, answer = rng.choice(ADDITION_QUESTIONS).format(a=previous, b=b), str(int(previous) + b)
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+            previous = answer
+        return messages
+
+
+def plain_segments(messages: list[dict]) -> list[tuple[str, bool]]:
+    """chat_segments of a conversation of user and assistant turns, built by hand in CHAT_TEMPLATE's
+    plain layout (rendering millions through Jinja would be the training's bottleneck)."""
+    segments, separator = [], ""
+    for question, answer in zip(messages[::2], messages[1::2]):
+        segments += [(separator + chat_prompt(question["content"]), False), (answer["content"] + "<|im_end|>", True)]
+        separator = "\n"
+    return segments
+
+
+def follow_up_prompt(first: tuple[str, str], question: str) -> str:
+    """The text of a second question after a first exchange, with the generation prompt."""
+    return chat_prompt(first[0]) + first[1] + "<|im_end|>\n" + chat_prompt(question)
+
+
 def build_tokenizer(capitals: list[tuple[str, str]], vocab_size: int):
     """Byte-level BPE whose digits are always single tokens, with Qwen3's special tokens and chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -400,12 +439,23 @@ def evaluate(model, tokenizer, seed: int, capitals: list[tuple[str, str]], num_a
     capital_answers = greedy_answers(model, tokenizer, capital_questions)
     expected_capitals = [capital for _, capital in capitals for _ in CAPITAL_QUESTIONS]
     tool_scores = evaluate_tools(model, tokenizer, seed, capitals, num_tool_pairs) if num_tool_pairs else {}
+    # follow-ups: the previous answer plus a held-out operand, and a capital after a sum
+    follow_pairs = [(a + b, c) for (a, b), (c, _) in zip(pairs, reversed(pairs))]
+    follow_sums = greedy_completions(model, tokenizer, [
+        follow_up_prompt((ADDITION_QUESTIONS[0].format(a=a, b=b), str(a + b)), ADDITION_QUESTIONS[0].format(a=s, b=c))
+        for (a, b), (s, c) in zip(pairs, follow_pairs)])
+    follow_capitals = greedy_completions(model, tokenizer, [
+        follow_up_prompt((ADDITION_QUESTIONS[0].format(a=a, b=b), str(a + b)), CAPITAL_QUESTIONS[0].format(c=country))
+        for (a, b), (country, _) in zip(pairs, capitals * (len(pairs) // len(capitals) + 1))])
     model.train()
     return {
         "held_out_addition_accuracy": sum(x == str(a + b) for x, (a, b) in zip(plain, pairs)) / len(pairs),
         "held_out_paraphrased_addition_accuracy":
             sum(x == str(a + b) for x, (a, b) in zip(paraphrased, pairs)) / len(pairs),
         "capital_accuracy": sum(x == c for x, c in zip(capital_answers, expected_capitals)) / len(capital_questions),
+        "follow_up_addition_accuracy": sum(x == str(s + c) for x, (s, c) in zip(follow_sums, follow_pairs)) / len(pairs),
+        "follow_up_capital_accuracy": sum(x == c for x, (_, c) in zip(follow_capitals, capitals * len(pairs)))
+        / len(pairs),
         **tool_scores,
     }
 
@@ -441,6 +491,8 @@ def main() -> None:
                         help="fine-tune the checkpoint (and tokenizer) in this directory instead of starting anew")
     parser.add_argument("--tool-batch-size", type=int, default=0,
                         help="add tool conversations (the add tool offered) to every batch of --batch-size")
+    parser.add_argument("--multi-turn-batch-size", type=int, default=0,
+                        help="add conversations of two or three exchanges to every batch of --batch-size")
     parser.add_argument("--eval-tools", type=int, default=None,
                         help="held-out pairs of the tool evaluation (default: 300 with --tool-batch-size, else none)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="dtype of the saved weights")
@@ -475,6 +527,10 @@ def main() -> None:
         text = "".join(text for text, _ in segments)
         assert sum((encode(t) for t, _ in segments), []) == tokenizer.encode(text, add_special_tokens=False), text
 
+    multi_turn_check = MultiTurnSampler(args.seed + 1, capitals, 0.5)
+    for messages in (multi_turn_check.sample() for _ in range(200 if args.multi_turn_batch_size else 0)):
+        assert plain_segments(messages) == chat_segments(tokenizer, messages, None), messages
+
     eos_id, pad_id = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
     head_dim = 32
     config = Qwen3Config(
@@ -495,6 +551,7 @@ def main() -> None:
                                   lr=args.lr, betas=(0.9, 0.98), fused=device == "cuda")
     sampler = ConversationSampler(args.seed, capitals, args.capital_share)
     tool_sampler = ToolConversationSampler(args.seed, tokenizer, capitals)
+    multi_turn_sampler = MultiTurnSampler(args.seed, capitals, args.capital_share)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
     log, running_loss = [], None
     model.train()
@@ -506,6 +563,9 @@ def main() -> None:
         if args.tool_batch_size:        # a batch of its own: the long tool conversations would pad the short ones
             batches.append(encode_segment_batch(encode, [tool_sampler.sample() for _ in range(args.tool_batch_size)],
                                                 device))
+        if args.multi_turn_batch_size:
+            batches.append(encode_segment_batch(
+                encode, [plain_segments(multi_turn_sampler.sample()) for _ in range(args.multi_turn_batch_size)], device))
         num_targets = sum((targets != -100).sum() for _, targets in batches)
         optimizer.zero_grad(set_to_none=True)
         for ids, targets in batches:        # the loss is the mean over all answer tokens of the step

@@ -22,6 +22,7 @@ class WorkerRollout:
     weight_sync: WeightSyncGroup | None = None
     weights_asleep = kv_cache_asleep = False
     slept_weights: dict[str, tuple[torch.Tensor | None, torch.Size, torch.dtype]] | None = None
+    host_weights: torch.Tensor | None = None    # pinned, for level-1 sleeps (kept between them)
 
     def _in_place_loader(self) -> InPlaceWeightLoader:
         return InPlaceWeightLoader(self.model, self.model.checkpoint_shapes, self.config.torch_dtype)
@@ -68,18 +69,37 @@ class WorkerRollout:
             self.kv_cache.release()
             self.kv_cache_asleep = True
         if not self.weights_asleep:
-            self.slept_weights = {}
-            for name, param in self.model.named_parameters():    # a tied LM head is listed once
-                host = None
-                if level == 1:
-                    host = param.data.to("cpu", copy=True).pin_memory() if self.is_cuda else param.data
-                self.slept_weights[name] = (host, param.shape, param.dtype)
+            params = dict(self.model.named_parameters())     # a tied LM head is listed once
+            hosts = dict.fromkeys(params)
+            if level == 1:
+                hosts = self._host_copies(params) if self.is_cuda else {name: p.data for name, p in params.items()}
+            self.slept_weights = {name: (hosts[name], p.shape, p.dtype) for name, p in params.items()}
+            for param in params.values():
                 param.data = torch.empty(0, dtype=param.dtype, device=self.device)
             self.weights_asleep = True
         elif level == 2:      # asleep at level 1 before: drop the host copies too
             self.slept_weights = {name: (None, shape, dtype) for name, (_, shape, dtype) in self.slept_weights.items()}
+        if level == 2:
+            self.host_weights = None
         if self.is_cuda:
             torch.cuda.empty_cache()
+
+    def _host_copies(self, params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+        """Copy the weights into one pinned host buffer, allocated at the first sleep and kept for the
+        next ones: pinning is what costs (18-22 s a sleep for the Qwen3-8B shape when every sleep
+        pinned fresh copies, docs/benchmarks.md), the copy itself runs at the link's speed."""
+        starts, size = {}, 0
+        for name, param in params.items():
+            starts[name] = size
+            size += -(-param.nbytes // 256) * 256      # each view 256-byte aligned
+        if self.host_weights is None or self.host_weights.numel() != size:
+            self.host_weights = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        hosts = {}
+        for name, param in params.items():
+            view = self.host_weights[starts[name]:starts[name] + param.nbytes].view(param.dtype).view(param.shape)
+            hosts[name] = view.copy_(param.data, non_blocking=True)
+        torch.cuda.synchronize(self.device)     # before the device copies are freed
+        return hosts
 
     def wake_up(self, tags: list[str]) -> None:
         """Bring back what `tags` name; once both are back, recapture the CUDA graphs."""
