@@ -19,9 +19,10 @@ overflow the L2 cache, so every call reads its weights from memory, as in a deco
     PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemv  # the 4-bit GEMV at M = 1, 2, 4, 8, 16
     PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemv --sweep --batch 1 16   # its launch shapes too
 
-With --w8a8, the float8 GEMM fp8_linear runs after quantizing the activations (fp8_gemm: the
-transposed Triton kernel on decode_tile's tiles up to 256 rows) against torch._scaled_mm with
-row-wise scales and the plain Triton kernel, for per-channel and block [128, 128] weights.
+With --w8a8, the float8 GEMM an FP8 layer runs after quantizing the activations (the route
+Fp8LinearMethod.route picks in nanovllm/quantization/fp8.py: the transposed Triton kernel on
+decode_tile's tiles up to 256 rows) against torch._scaled_mm with row-wise scales and the plain
+Triton kernel, for per-channel and block [128, 128] weights.
 
 With --int4-gemv, the few-row 4-bit GEMV (int4_gemv: 16-bit floats built by lop3, summed by the
 matrix cores), checked against its twin in bfloat16 and float16 first, against int_gemm and the
@@ -36,12 +37,13 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels import fp8_gemv as fp8_gemv_module
-from nanovllm.kernels.fp8_primitives import FP8_DTYPE
+from nanovllm.kernels.fp8_primitives import FP8_DTYPE, QuantizedActivation
 from nanovllm.kernels.fp8_gemv import GemvConfig, fp8_gemv, fp8_gemv_ref
-from nanovllm.kernels.fp8_linear import fp8_gemm, fp8_matmul, quantize_activation, scaled_mm_per_channel
+from nanovllm.kernels.fp8_linear import fp8_matmul, quantize_activation, scaled_mm_per_channel
 from nanovllm.kernels import int4_gemv as int4_gemv_module
 from nanovllm.kernels.int4_gemv import Int4GemvConfig, int4_gemv
 from nanovllm.kernels.int_gemm import DECODE_CONFIG, PREFILL_CONFIG, LaunchConfig, int_gemm, int_gemm_ref
+from nanovllm.quantization.fp8 import GEMV_MAX_ROWS, Fp8LinearMethod
 from nanovllm.quantization.int_packing import awq_for_gemm, dequantize_awq
 from nanovllm.checkpoints.quantized_checkpoint import quantize_awq
 
@@ -148,10 +150,16 @@ def random_fp8_layer(k: int, n: int, group_size: int | None) -> tuple[torch.Tens
     return w, torch.rand(n, groups, device="cuda") * 1e-3 + 1e-4
 
 
+def chosen_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w: torch.Tensor, s: torch.Tensor, group_size: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The GEMM an FP8 layer's method runs on activations that come quantized (the route it picks)."""
+    return Fp8LinearMethod().multiply(QuantizedActivation(x_q, x_s, dtype), w, s, group_size)
+
+
 def w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The float8 path of fp8_linear without the GEMV: quantize the activations, then the GEMM."""
+    """The float8 path of an FP8 layer without the GEMV: quantize the activations, then the GEMM."""
     x_q, x_s = quantize_activation(x, group_size)
-    return fp8_gemm(x_q, x_s, w, s, group_size, x.dtype)
+    return chosen_gemm(x_q, x_s, w, s, group_size, x.dtype)
 
 
 def check_gemv() -> None:
@@ -212,13 +220,13 @@ def gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> Non
         print(f"{fmt:12} M={m:<3d} four projections x{num_layers} layers: gemv {num_layers * t['gemv'] * 1e3:.2f} ms, "
               f"before {num_layers * t['before'] * 1e3:.2f} ms, bf16 {num_layers * t['bf16'] * 1e3:.2f} ms")
     print(f"GEMV knobs: {fp8_gemv_module.ONE_ROW_CONFIG} (M=1), {fp8_gemv_module.FEW_ROWS_CONFIG} (M>1); "
-          f"PROGRAMS_PER_SM {fp8_gemv_module.PROGRAMS_PER_SM}; GEMV_MAX_ROWS {fp8_gemv_module.GEMV_MAX_ROWS}")
+          f"PROGRAMS_PER_SM {fp8_gemv_module.PROGRAMS_PER_SM}; GEMV_MAX_ROWS {GEMV_MAX_ROWS}")
 
 
 def w8a8_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> None:
-    """fp8_gemm (what fp8_linear runs after quantizing) against the routes it chooses between."""
+    """The GEMM an FP8 layer runs after quantizing (its method's route) against the routes it chooses between."""
     totals = {}
-    print(f"{'format':12} {'layer':13} {'M':>4} {'fp8_gemm us':>11} {'TB/s':>5} {'_scaled_mm us':>13} "
+    print(f"{'format':12} {'layer':13} {'M':>4} {'chosen us':>11} {'TB/s':>5} {'_scaled_mm us':>13} "
           f"{'Triton us':>9} {'quantize us':>11}")
     for name, (k, n) in shapes.items():
         for fmt, group in (("fp8 channel", None), ("fp8 block", 128)):
@@ -227,7 +235,7 @@ def w8a8_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> Non
             for m in args.batch:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 x_q, x_s = quantize_activation(x, g)
-                t = {"gemm": graph_time([lambda l=l: fp8_gemm(x_q, x_s, l[0], l[1], g, x.dtype) for l in layers]),
+                t = {"gemm": graph_time([lambda l=l: chosen_gemm(x_q, x_s, l[0], l[1], g, x.dtype) for l in layers]),
                      "triton": graph_time([lambda l=l: fp8_matmul(x_q, x_s, l[0], l[1], g, x.dtype) for l in layers]),
                      "quantize": graph_time([lambda: quantize_activation(x, g)] * 8)}
                 if group is None:

@@ -70,17 +70,17 @@ def test_fp8_gemv_twin_is_the_dequantized_weight_with_unquantized_activations():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the GEMVs serve only CUDA; the CPU keeps the twins")
-def test_fp8_linear_takes_the_gemv_up_to_its_row_limit():
-    """fp8_linear: the 16-bit-activation GEMV up to GEMV_MAX_ROWS rows (float8 activations would
-    round x to 3 mantissa bits), the W8A8 GEMM above."""
-    from nanovllm.kernels import fp8_gemv as fp8_gemv_module
-    from nanovllm.kernels.fp8_linear import fp8_linear, fp8_matmul_ref, quantize_activation_ref
+def test_fp8_method_takes_the_gemv_up_to_its_row_limit():
+    """The FP8 linear method: the 16-bit-activation GEMV up to GEMV_MAX_ROWS rows (float8 activations
+    would round x to 3 mantissa bits), the W8A8 GEMM above."""
+    from nanovllm.kernels.fp8_linear import fp8_matmul_ref, quantize_activation_ref
+    from nanovllm.quantization.fp8 import GEMV_MAX_ROWS, Fp8LinearMethod
     k, n = 512, 96
     w_q, w_s = fp8_weight(n, k, 128, seed=11)
-    for rows in (1, fp8_gemv_module.GEMV_MAX_ROWS, fp8_gemv_module.GEMV_MAX_ROWS + 1):
+    for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE, torch.bfloat16)
-        y = fp8_linear(x, w_q, w_s, 128)
-        if rows <= fp8_gemv_module.GEMV_MAX_ROWS:
+        y = Fp8LinearMethod().multiply(x, w_q, w_s, 128)
+        if rows <= GEMV_MAX_ROWS:
             close(y, fp8_gemv_ref(x, w_q, w_s, 128))
         else:
             close(y, fp8_matmul_ref(*quantize_activation_ref(x, 128), w_q, w_s, 128, torch.bfloat16))

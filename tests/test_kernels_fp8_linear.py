@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from nanovllm.kernels.fp8_primitives import FP8_DTYPE, FP8_MAX
-from nanovllm.kernels.fp8_linear import (GemmTile, decode_tile, dequantize_ref, fp8_linear, fp8_matmul,
+from nanovllm.kernels.fp8_linear import (MULTI_WAVE_TILE, GemmTile, decode_tile, dequantize_ref, fp8_matmul,
                                          fp8_matmul_ref, quantize_activation, quantize_activation_ref)
+from nanovllm.quantization.fp8 import Fp8LinearMethod
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16] if DEVICE == "cuda" else [torch.float32, torch.float16]
@@ -136,27 +137,28 @@ def test_tiles_match_twin(dtype, m, n, k, group, bias, tile):
 def test_every_decode_tile_matches_twin(m, n, group):
     """Each branch of decode_tile (an 8-SM grid makes the small shapes take them) runs the twin's math."""
     dtype = DTYPES[0]
-    tile = decode_tile(m, n, 8, per_group=group < 256)
-    assert tile is not None
+    tile = decode_tile(m, n, 8)
     x, w_q, w_s, _ = gemm_case(dtype, m, n, 256, group, False, m * n)
     x_q, x_s = quantize_activation_ref(x, group)
     assert_close_to_twin(fp8_matmul(x_q, x_s, w_q, w_s, group, dtype, None, tile),
                          fp8_matmul_ref(x_q, x_s, w_q, w_s, group, dtype))
 
 
-def test_decode_tile_hands_large_batches_and_multiwave_per_channel_grids_on():
-    assert decode_tile(257, 4096, 132, per_group=False) is None          # prefill-sized: the other GEMMs
-    assert decode_tile(256, 24576, 132, per_group=False) is None         # gate_up at 256 tokens: cuBLASLt
-    assert decode_tile(256, 24576, 132, per_group=True) == GemmTile(256, 64, 128, 8, 5, 1, True)
-    assert decode_tile(64, 4096, 132, per_group=False) == GemmTile(64, 64, 128, 4, 5, 1, True)
-    assert decode_tile(16, 4096, 132, per_group=True) is None            # block scales, few tokens: gemm_tile
+def test_decode_tile_on_an_h100():
+    """The tiles of the 8B projections' sweep on 132 SMs (which batches take them is the FP8 method's
+    route: tests/test_quantization_fp8_routes.py)."""
+    assert decode_tile(64, 4096, 132) == GemmTile(64, 64, 128, 4, 5, 1, True)       # one wave
+    assert decode_tile(256, 4096, 132) == GemmTile(128, 64, 128, 4, 5, 1, True)
+    assert decode_tile(256, 6144, 132) == GemmTile(128, 128, 128, 8, 5, 1, True)    # 128 features: one wave
+    assert decode_tile(128, 24576, 132) == GemmTile(128, 64, 128, 4, 3, 1, True)    # several waves
+    assert decode_tile(256, 24576, 132) == MULTI_WAVE_TILE == GemmTile(256, 64, 128, 8, 5, 1, True)
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA dispatch of fp8_linear (the CPU runs the twins)")
+@pytest.mark.skipif(DEVICE != "cuda", reason="the FP8 method's CUDA routes (the CPU runs the twins)")
 @pytest.mark.parametrize("m", [2, 16, 48, 64, 100, 128, 192, 256, 300])
 @pytest.mark.parametrize("n, group", [(6144, 1024), (4096, 1024), (24576, 1024), (6144, 128)])
-def test_fp8_linear_on_cuda_matches_twin_at_decode_sizes(m, n, group):
+def test_fp8_routes_on_cuda_match_twin_at_decode_sizes(m, n, group):
     x, w_q, w_s, b = gemm_case(torch.bfloat16, m, n, 1024, group, True, m + n)
     x_q, x_s = quantize_activation_ref(x, group)
-    assert_close_to_twin(fp8_linear(x, w_q, w_s, group, bias=b), fp8_matmul_ref(x_q, x_s, w_q, w_s, group,
-                                                                                 torch.bfloat16, b))
+    y = Fp8LinearMethod().multiply(x, w_q, w_s, group, bias=b)
+    assert_close_to_twin(y, fp8_matmul_ref(x_q, x_s, w_q, w_s, group, torch.bfloat16, b))

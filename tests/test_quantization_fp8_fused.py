@@ -4,8 +4,8 @@ the same logits, bit for bit, as with every layer quantizing its own input, in e
 CUDA within an ulp's effect: see tests/test_kernels_fp8_fused.py).
 
 The fusion is turned off by building the model with fuse_input_quantization doing nothing (before
-any CUDA graph is captured), which is the unfused composition: the norm's 16-bit output, then
-fp8_linear's own quantization.
+any CUDA graph is captured), which is the unfused composition: the norm's 16-bit output, then the
+FP8 layer's own quantization.
 """
 import gc
 
@@ -16,10 +16,10 @@ import nanovllm.models.blocks as blocks
 import nanovllm.quantization.fp8 as fp8_methods
 from nanovllm import LLM, SamplingParams
 from nanovllm.core.sequence import Sequence
-from nanovllm.kernels.fp8_gemv import GEMV_MAX_ROWS
 from nanovllm.kernels.fp8_linear import QuantizedActivation
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.quantization.fp8 import GEMV_MAX_ROWS
 from nanovllm.checkpoints.fp8_checkpoint import write_fp8_checkpoint
 from nanovllm.checkpoints.random_checkpoint import write_tiny_model
 from tests.conftest import mixed_prompts
@@ -60,13 +60,13 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 def linear_inputs(monkeypatch) -> list:
     """What every FP8 layer is given: a QuantizedActivation or a 16-bit tensor (eager calls only)."""
     seen = []
-    linear = fp8_methods.fp8_linear
+    multiply = fp8_methods.Fp8LinearMethod.multiply
 
-    def recording(x, *args, **kwargs):
+    def recording(self, x, *args, **kwargs):
         seen.append(x)
-        return linear(x, *args, **kwargs)
+        return multiply(self, x, *args, **kwargs)
 
-    monkeypatch.setattr(fp8_methods, "fp8_linear", recording)
+    monkeypatch.setattr(fp8_methods.Fp8LinearMethod, "multiply", recording)
     return seen
 
 
@@ -162,19 +162,19 @@ def test_producers_quantize_where_the_linear_layer_would():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_one_row_steps_stay_16_bit_for_the_gemv_on_cuda(checkpoints, linear_inputs, monkeypatch):
-    """One sequence: every step has one row, which fp8_linear sends to the GEMV with 16-bit
+    """One sequence: every step has one row, which the FP8 method sends to the GEMV with 16-bit
     activations, so nothing is quantized before it; two sequences decode through the carriers."""
-    import nanovllm.kernels.fp8_linear as fp8_linear_module
-    gemv_calls = []
-    gemv = fp8_linear_module.fp8_gemv
-    monkeypatch.setattr(fp8_linear_module, "fp8_gemv", lambda x, *args: gemv_calls.append(x) or gemv(x, *args))
+    routes = []
+    route = fp8_methods.Fp8LinearMethod.route
+    monkeypatch.setattr(fp8_methods.Fp8LinearMethod, "route",
+                        staticmethod(lambda *args, **kwargs: routes.append(route(*args, **kwargs)) or routes[-1]))
     with LLM(checkpoints["block"], kvcache_block_size=16, enforce_eager=True) as llm:
         assert llm.config.torch_dtype == torch.bfloat16
         linear_inputs.clear()       # the start-up's warm-up steps
-        gemv_calls.clear()
+        routes.clear()
         llm.generate([[5]], GREEDY, use_tqdm=False)
         assert linear_inputs and not any(isinstance(x, QuantizedActivation) for x in linear_inputs)
-        assert len(gemv_calls) == len(linear_inputs)
+        assert routes and {chosen.kernel for chosen in routes} == {"gemv"}     # gate_up's fused GEMV included
         linear_inputs.clear()
         llm.generate([[5], [7, 8]], GREEDY, use_tqdm=False)
         carriers = [x for x in linear_inputs if isinstance(x, QuantizedActivation)]

@@ -3,11 +3,11 @@
 At decode (a few rows) the product is bound by reading the weight bytes, so the activations are not
 quantized: x stays 16-bit and each weight tile is widened in registers (e4m3 is exact in float16 and
 bfloat16), products summed in float32. The numerics are those of the dequantized weight with
-unquantized activations, slightly closer to the 16-bit model than fp8_linear's W8A8 path, which
+unquantized activations, slightly closer to the 16-bit model than fp8_linear.py's W8A8 path, which
 larger batches keep (they are bound by the matrix cores, where float8 x float8 pays).
 
 Weights w_q [N, K] float8 with float32 scales w_s [N, G]: per row (G = 1) or per row and group of
-`group_size` input columns (fp8_linear's layout of block scales). Each program streams a run of
+`group_size` input columns (fp8_linear.py's layout of block scales). Each program streams a run of
 BLOCK_N whole weight rows along K with wide contiguous loads; when that leaves too few programs to
 keep every SM reading (small N), K is split over programs too and their float32 partial sums meet
 by atomic adds. One row (M = 1) multiplies element-wise and reduces once at the end, its weight
@@ -24,11 +24,6 @@ from nanovllm.kernels.fp8_primitives import dequantize_ref
 from nanovllm.kernels.silu_epilogue import gated_columns, silu_and_mul_store
 from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
 
-# fp8_linear sends products of at most this many rows (and no static input scale) here on CUDA.
-# Measured on one H100 (`scripts/int_gemm_bench.py --gemv`, Qwen3-8B projections, docs/benchmarks.md):
-# at one row the four projections of 36 layers take 3.25 ms against 5.02 for the W8A8 path
-# (per-channel; block 4.21 against 4.47); from two rows on the W8A8 path is as fast or faster.
-GEMV_MAX_ROWS = 1
 # Split K while the grid has fewer than this many programs per SM (weight streams in flight on every SM).
 PROGRAMS_PER_SM = 4
 
@@ -147,7 +142,8 @@ def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: 
              split_k: int | None = None, gated: bool = False) -> torch.Tensor | None:
     """The Triton twin of `fp8_gemv_ref`: x [M, K] (last dimension contiguous), w_q [N, K] contiguous,
     w_s [N, G]; with G > 1, group_size is a power of two of at least 16 and K's groups are
-    ceil(K / group_size). Meant for M <= GEMV_MAX_ROWS; larger M runs, in tiles of 16 rows.
+    ceil(K / group_size). Meant for a few rows (how many: nanovllm/quantization/fp8.py,
+    GEMV_MAX_ROWS); larger M runs, in tiles of 16 rows.
     gated: w_q is a merged [gate; up] matrix and the result is silu(gate) * up [M, N // 2]
     (silu_epilogue.py); None when K would be split (the sums then meet by atomic adds, after which
     no program sees a finished gate and up)."""

@@ -1,4 +1,4 @@
-"""Linear layers with float8 (e4m3) weights and activations: y = dequant(x_q) @ dequant(w_q).T + bias.
+"""Float8 (e4m3) products: y = dequant(x_q) @ dequant(w_q).T + bias, each route a plain entry point.
 
 Weights w_q [N, K] float8 carry float32 scales w_s [N, G]: one per output row and group of
 `group_size` input columns (G = ceil(K / group_size)). Per-channel scales are the case G = 1
@@ -12,13 +12,15 @@ per-tensor input scale (checkpoints that ship `input_scale`) replaces the per-to
 The GEMM sums each group's float8 products in float32 and scales them by a_s[m, g] * w_s[n, g]:
     y[m, n] = sum_g a_s[m, g] * w_s[n, g] * sum_{k in g} x_q[m, k] * w_q[n, k]
 `quantize_activation_ref` and `fp8_matmul_ref` are the torch twins (dequantize, then a float32
-matmul); they are also the CPU path. On Hopper the per-channel case may go to torch._scaled_mm
-(CUTLASS/cuBLASLt, row-wise scales) instead of the Triton kernel: `SCALED_MM_PER_CHANNEL` says
-which, as measured (docs/benchmarks.md, quantized weights). Decode batches (up to 256 tokens) run
-the Triton kernel transposed, on the tiles `decode_tile` picks.
+matmul); they are also the CPU path. The routes: `fp8_matmul` (the Triton kernel, on gemm_tile's
+tiles or, transposed for decode batches, on `decode_tile`'s) and `scaled_mm_per_channel`
+(torch._scaled_mm, row-wise scales, Hopper); a few 16-bit rows skip the quantization and stream the
+weight through fp8_gemv.py. Which one a layer takes for a call is its method's choice
+(nanovllm/quantization/fp8.py, `Fp8LinearMethod.route`).
 
 The kernel that makes a linear layer's input (RMSNorm, SiLU-and-mul) may quantize it in the same pass
-and hand fp8_linear a `QuantizedActivation` instead (nanovllm/layers/layernorm.py, activation.py).
+(`quantize_groups`) and hand the layer a `QuantizedActivation` instead (nanovllm/layers/layernorm.py,
+activation.py).
 """
 from typing import NamedTuple
 
@@ -26,23 +28,7 @@ import torch
 
 from nanovllm.kernels.fp8_primitives import (FP8_DTYPE, QuantizedActivation, dequantize_ref, num_groups,
                                              quantize_activation_ref)
-from nanovllm.kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv, sm_count
-from nanovllm.kernels.triton_compat import (cuda_major_capability, pdl_launch, start_next_kernel, tl, triton,
-                                             wait_for_previous_kernel)
-
-# Per-channel GEMMs on Hopper through torch._scaled_mm (True) or the Triton kernel (False). Measured
-# on one H100 (Qwen3-8B projections, docs/benchmarks.md; the timing script is in git history): _scaled_mm is as fast or faster at
-# most batch sizes (gate_up M=4096: 678 us against 754, bf16 1,191); bench.py with the 8B shape,
-# online FP8 and FP8 KV: 10,998 tok/s with it, 9,967 with the Triton kernel.
-SCALED_MM_PER_CHANNEL = True
-# The transposed GEMM serves products of at most this many tokens (decode batches); see decode_tile.
-SWAPPED_MAX_ROWS = 256
-
-
-def quantizes_activation(x: torch.Tensor) -> bool:
-    """Whether fp8_linear quantizes x (dynamic scales) rather than sending it to the GEMV: always on
-    the CPU, above GEMV_MAX_ROWS rows on CUDA. Where it does, the producer of x may do it instead."""
-    return not x.is_cuda or x.shape[:-1].numel() > GEMV_MAX_ROWS
+from nanovllm.kernels.triton_compat import pdl_launch, start_next_kernel, tl, triton, wait_for_previous_kernel
 
 
 def fp8_matmul_ref(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
@@ -188,16 +174,16 @@ def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K,
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def decode_tile(m: int, n: int, sms: int, per_group: bool) -> GemmTile | None:
-    """The swapped tile for m tokens and n output features on `sms` SMs, or None where the other
-    routes are faster. From a sweep of the Qwen3-8B projections at 64-256 tokens on one H100
-    (docs/benchmarks.md): 64 features by 64 or 128 tokens with five stages while the grid fits one
-    wave, 128 features when that keeps it in one wave; grids of several waves (gate_up) want three
-    stages, or 256 tokens a program past 128 tokens, where cuBLASLt's row-wise GEMM wins from 256.
-    Block scales at up to 16 tokens keep gemm_tile's 16-token tile (4.28 ms against 4.70 for the 8B
-    projections of 36 layers)."""
-    if m > SWAPPED_MAX_ROWS or (per_group and m <= 16):
-        return None
+# The transposed tile of grids that take several waves past 128 tokens: 256 tokens a program.
+MULTI_WAVE_TILE = GemmTile(256, 64, 128, 8, 5, swapped=True)
+
+
+def decode_tile(m: int, n: int, sms: int) -> GemmTile:
+    """The transposed tile for a decode batch of m tokens (up to 256) and n output features on `sms`
+    SMs. From a sweep of the Qwen3-8B projections at 64-256 tokens on one H100 (docs/benchmarks.md):
+    64 features by 64 or 128 tokens with five stages while the grid fits one wave, 128 features when
+    that keeps it in one wave; grids of several waves (gate_up) want three stages, or 256 tokens a
+    program past 128 tokens (MULTI_WAVE_TILE)."""
     programs = lambda block_n, block_m: triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     block_m = 64 if m <= 64 or programs(64, 128) <= sms // 2 else 128
     if programs(64, block_m) <= sms:
@@ -206,7 +192,7 @@ def decode_tile(m: int, n: int, sms: int, per_group: bool) -> GemmTile | None:
         return GemmTile(block_m, 128, 128, 8, 5, swapped=True)
     if m <= 128:
         return GemmTile(block_m, 64, 128, 4, 3, swapped=True)
-    return GemmTile(256, 64, 128, 8, 5, swapped=True) if per_group or m <= 192 else None
+    return MULTI_WAVE_TILE
 
 
 def gemm_tile(m: int, group_size: int, per_group: bool) -> GemmTile:
@@ -251,56 +237,3 @@ def scaled_mm_per_channel(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tenso
                           out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     """torch._scaled_mm with row-wise scales (Hopper): x_s [M, 1], w_s [N, 1]."""
     return torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=w_s.reshape(1, -1), bias=bias, out_dtype=out_dtype)
-
-
-def fp8_linear(x: torch.Tensor | QuantizedActivation, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
-               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] 16/32-bit -> [..., N] in x's dtype: quantize the activations, then the float8 GEMM.
-    x may come quantized already (a QuantizedActivation [M, K] in this layer's group size): then only
-    the GEMM runs. On CUDA, up to GEMV_MAX_ROWS 16-bit rows without a static input scale skip the
-    quantization and stream the weight through fp8_gemv (16-bit activations: see fp8_gemv.py).
-    The CPU runs the twins."""
-    if isinstance(x, QuantizedActivation):
-        gemm = fp8_gemm if x.q.is_cuda else fp8_matmul_ref
-        return gemm(x.q, x.scale, w_q, w_s, group_size, x.dtype, bias)
-    shape = x.shape
-    x = x.reshape(-1, shape[-1])
-    if takes_gemv(x, input_scale):
-        y = fp8_gemv(x.contiguous() if x.stride(-1) != 1 else x, w_q, w_s, group_size, bias)
-    elif not x.is_cuda:
-        x_q, x_s = quantize_activation_ref(x, group_size, input_scale)
-        y = fp8_matmul_ref(x_q, x_s, w_q, w_s, group_size, x.dtype, bias)
-    else:
-        x_q, x_s = quantize_activation(x.contiguous() if x.stride(-1) != 1 else x, group_size, input_scale)
-        y = fp8_gemm(x_q, x_s, w_q, w_s, group_size, x.dtype, bias)
-    return y.reshape(*shape[:-1], y.shape[-1])
-
-
-def takes_gemv(x: torch.Tensor, input_scale: torch.Tensor | None) -> bool:
-    """Whether fp8_linear streams x [M, K] through fp8_gemv: a few 16-bit rows on CUDA, no static
-    input scale."""
-    return x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS and input_scale is None and x.dtype != torch.float32
-
-
-def fp8_linear_silu_and_mul(x: torch.Tensor | QuantizedActivation, w_q: torch.Tensor, w_s: torch.Tensor,
-                            group_size: int, input_scale: torch.Tensor | None = None,
-                            bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """silu(gate) * up of a merged [gate; up] layer, from the GEMV's epilogue, where fp8_linear would
-    take the GEMV path (and the GEMV does not split K); None elsewhere: the caller then runs the
-    layer and silu_and_mul apart. Saves a kernel launch and a round trip of gate and up per layer."""
-    if isinstance(x, QuantizedActivation) or x.dim() != 2 or not takes_gemv(x, input_scale):
-        return None
-    return fp8_gemv(x.contiguous() if x.stride(-1) != 1 else x, w_q, w_s, group_size, bias, gated=True)
-
-
-def fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
-             out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The float8 product on CUDA by the fastest measured route: decode batches transposed, larger
-    per-channel ones through torch._scaled_mm on Hopper in bfloat16, the rest the Triton kernel."""
-    per_group = w_s.shape[1] > 1
-    tile = decode_tile(x_q.shape[0], w_q.shape[0], sm_count(x_q.device), per_group)
-    if tile is not None:
-        return fp8_matmul(x_q, x_s, w_q, w_s, group_size, out_dtype, bias, tile)
-    if not per_group and SCALED_MM_PER_CHANNEL and cuda_major_capability(x_q) >= 9 and out_dtype == torch.bfloat16:
-        return scaled_mm_per_channel(x_q, x_s, w_q, w_s, out_dtype, bias)
-    return fp8_matmul(x_q, x_s, w_q, w_s, group_size, out_dtype, bias)

@@ -2,13 +2,13 @@
 
 When the layer it feeds is an FP8 layer that quantizes its input per token (or per token and group),
 the model sets `quant_group_size` and the activation comes out quantized (a QuantizedActivation),
-wherever the layer would quantize it (fp8_linear's `quantizes_activation`).
+wherever the layer would quantize it (`quantizes_activation` in nanovllm/quantization/fp8.py).
 """
 import torch
 from torch import nn
 
-from nanovllm.kernels.fp8_linear import quantizes_activation
 from nanovllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_quant, silu_and_mul_quant_ref, silu_and_mul_ref
+from nanovllm.quantization.fp8 import quantizes_activation
 
 
 class SiluAndMul(nn.Module):

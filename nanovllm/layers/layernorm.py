@@ -2,7 +2,7 @@
 
 When the layer it feeds is an FP8 layer that quantizes its input per token (or per token and group),
 the model sets `quant_group_size` and the norm writes that input quantized (a QuantizedActivation)
-in its own pass, wherever the layer would quantize it (fp8_linear's `quantizes_activation`).
+in its own pass, wherever the layer would quantize it (`quantizes_activation` in nanovllm/quantization/fp8.py).
 
 With a residual, the input may be a linear layer's unfinished split-K sums (PendingSums, see
 RowParallelLinear.feed_residual_norm): the norm's kernel finishes them.
@@ -10,9 +10,9 @@ RowParallelLinear.feed_residual_norm): the norm's kernel finishes them.
 import torch
 from torch import nn
 
-from nanovllm.kernels.fp8_linear import quantizes_activation
 from nanovllm.kernels.rms_norm import rms_norm, rms_norm_quant, rms_norm_quant_ref, rms_norm_ref
 from nanovllm.kernels.zeroed_workspace import PendingSums
+from nanovllm.quantization.fp8 import quantizes_activation
 
 
 class RMSNorm(nn.Module):

@@ -17,16 +17,83 @@ which also reads Qwen3-*-FP8 and DeepSeek-V3):
 `ignored_layers` (vLLM) or `modules_to_not_convert` (transformers) stay 16-bit.
 Qwen3-MoE experts in block layout (`experts.N.gate_proj.weight` + `weight_scale_inv`) load into
 stacked float8 weights with per-row block scales (`Fp8BlockMoEMethod`).
+
+Every layout multiplies through `Fp8LinearMethod`, whose `route` picks the kernel for each call from
+its rows, the scales' layout (per row or per row and group) and the device: the 16-bit GEMV for a
+row (nanovllm/kernels/fp8_gemv.py), the Triton float8 GEMM transposed for decode batches, or
+torch._scaled_mm / the Triton GEMM on gemm_tile's tiles for larger ones
+(nanovllm/kernels/fp8_linear.py); the torch twins on the CPU. The thresholds below say where
+each measurement put the switch.
 """
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
-from nanovllm.kernels.fp8_primitives import FP8_DTYPE, FP8_MAX
-from nanovllm.kernels.fp8_linear import dequantize_ref, fp8_linear, fp8_linear_silu_and_mul
+from nanovllm.kernels.fp8_gemv import fp8_gemv, sm_count
+from nanovllm.kernels.fp8_linear import (MULTI_WAVE_TILE, GemmTile, decode_tile, fp8_matmul, fp8_matmul_ref,
+                                         quantize_activation, quantize_activation_ref, scaled_mm_per_channel)
+from nanovllm.kernels.fp8_primitives import FP8_DTYPE, FP8_MAX, QuantizedActivation, dequantize_ref
+from nanovllm.kernels.triton_compat import cuda_major_capability
 from nanovllm.quantization.base import ModelShape, LinearMethod, QuantizationConfig, UnquantizedLinearMethod, shard_param
 
 # a weight row of zeros still gets a usable scale
 WEIGHT_SCALE_FLOOR = 1e-12
+
+# Where a call's route switches (Fp8LinearMethod.route), as measured on one H100 with the Qwen3-8B
+# projections (docs/benchmarks.md, quantized weights).
+
+# At most this many 16-bit rows (no static input scale) skip the quantization and stream the weight
+# through fp8_gemv (`scripts/int_gemm_bench.py --gemv`): at one row the four projections of 36 layers
+# take 3.25 ms against 5.02 for the W8A8 path (per-channel; block 4.21 against 4.47); from two rows on
+# the W8A8 path is as fast or faster.
+GEMV_MAX_ROWS = 1
+# Products of at most this many tokens (decode batches) run the Triton GEMM transposed, on
+# decode_tile's tiles (a sweep of the 8B projections at 16-256 tokens, `scripts/int_gemm_bench.py --w8a8`).
+SWAPPED_MAX_ROWS = 256
+# Block scales at up to this many tokens keep gemm_tile's 16-token tile instead (4.28 ms against 4.70
+# for the 8B projections of 36 layers).
+BLOCK_PLAIN_TILE_MAX_ROWS = 16
+# Per-channel grids of several waves (gate_up, MULTI_WAVE_TILE) past this many tokens leave the
+# transposed GEMM for _scaled_mm: cuBLASLt's row-wise GEMM wins there at 256 tokens, not at 192.
+PER_CHANNEL_MULTI_WAVE_MAX_ROWS = 192
+# Per-channel GEMMs on Hopper through torch._scaled_mm (True) or the Triton kernel (False). Measured
+# on one H100 (Qwen3-8B projections, docs/benchmarks.md; the timing script is in git history):
+# _scaled_mm is as fast or faster at most batch sizes (gate_up M=4096: 678 us against 754, bf16
+# 1,191); bench.py with the 8B shape, online FP8 and FP8 KV: 10,998 tok/s with it, 9,967 with the
+# Triton kernel.
+SCALED_MM_PER_CHANNEL = True
+
+
+class CudaDevice(NamedTuple):
+    """What a route reads of the GPU a call runs on."""
+    sms: int
+    major_capability: int       # 9: Hopper
+
+
+def cuda_device(t: torch.Tensor) -> CudaDevice | None:
+    """The GPU that holds t; None off CUDA."""
+    return CudaDevice(sm_count(t.device), cuda_major_capability(t)) if t.is_cuda else None
+
+
+class Fp8Route(NamedTuple):
+    """The kernel that multiplies one call: "twin" (the torch twins: the CPU), "gemv" (fp8_gemv on the
+    16-bit rows), "transposed" (fp8_matmul on `tile`), "scaled_mm" (torch._scaled_mm, row-wise scales)
+    or "gemm" (fp8_matmul on gemm_tile's tile). All but the GEMV multiply float8 activations: x is
+    quantized first, unless it comes quantized."""
+    kernel: str
+    tile: GemmTile | None = None
+
+
+def quantizes_activation(x: torch.Tensor) -> bool:
+    """Whether an FP8 layer with dynamic input scales quantizes x rather than sending it to the GEMV:
+    always on the CPU, above GEMV_MAX_ROWS rows on CUDA. Where it does, the kernel that produces x
+    (RMSNorm, SiLU-and-mul) may quantize it in its own pass instead."""
+    return not x.is_cuda or x.shape[:-1].numel() > GEMV_MAX_ROWS
+
+
+def rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous() if x.stride(-1) != 1 else x
 
 
 def input_group_size(input_size: int, input_start: int, block_k: int, what: str) -> int:
@@ -115,18 +182,84 @@ def fp8_weight(output_size: int, input_size: int) -> nn.Parameter:
 
 
 class Fp8LinearMethod(LinearMethod):
-    """What the float8 layouts share: each names its operands for fp8_linear (the float8 weight,
-    its scales in fp8_linear's layout, the group size those scales cover, a static input scale)."""
+    """What the float8 layouts share: each names its operands (the float8 weight [N, K], its scales
+    [N, G] per row and group of `group_size` input columns, G = 1 for one scale a row, and a static
+    input scale), and `route` picks the kernel that multiplies each call."""
 
     def operands(self, layer) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
         raise NotImplementedError
 
+    @staticmethod
+    def route(rows: int, features: int, per_group: bool, dtype: torch.dtype, device: CudaDevice | None,
+              raw_input: bool) -> Fp8Route:
+        """The kernel for `rows` tokens of `dtype` into `features` outputs, with scales per row and
+        group (per_group) or per row, on `device` (None: off CUDA). raw_input: x comes unquantized
+        and without a static input scale, so the GEMV may read it as it is. The first rule that
+        fits wins; the constants above say where each was measured."""
+        if device is None:
+            return Fp8Route("twin")
+        if raw_input and rows <= GEMV_MAX_ROWS and dtype != torch.float32:
+            return Fp8Route("gemv")
+        if rows <= SWAPPED_MAX_ROWS and not (per_group and rows <= BLOCK_PLAIN_TILE_MAX_ROWS):
+            tile = decode_tile(rows, features, device.sms)
+            if per_group or tile != MULTI_WAVE_TILE or rows <= PER_CHANNEL_MULTI_WAVE_MAX_ROWS:
+                return Fp8Route("transposed", tile)
+        if not per_group and SCALED_MM_PER_CHANNEL and device.major_capability >= 9 and dtype == torch.bfloat16:
+            return Fp8Route("scaled_mm")
+        return Fp8Route("gemm")
+
+    def route_of(self, x: torch.Tensor | QuantizedActivation, weight: torch.Tensor, scale: torch.Tensor,
+                 input_scale: torch.Tensor | None) -> Fp8Route:
+        """`route` for x [M, K] (or a QuantizedActivation) times these operands."""
+        quantized = isinstance(x, QuantizedActivation)
+        rows = x.q if quantized else x
+        return self.route(rows.shape[0], weight.shape[0], scale.shape[1] > 1, x.dtype, cuda_device(rows),
+                          raw_input=not quantized and input_scale is None)
+
+    def multiply(self, x: torch.Tensor | QuantizedActivation, weight: torch.Tensor, scale: torch.Tensor,
+                 group_size: int, input_scale: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] 16/32-bit -> [..., N] in x's dtype by the route's kernel. x may come quantized
+        already (a QuantizedActivation [M, K] in this layer's group size): then only the GEMM runs."""
+        if isinstance(x, QuantizedActivation):
+            return self.float8_product(self.route_of(x, weight, scale, input_scale), x.q, x.scale, weight, scale,
+                                       group_size, x.dtype, bias)
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        route = self.route_of(x, weight, scale, input_scale)
+        if route.kernel == "gemv":
+            y = fp8_gemv(rows_contiguous(x), weight, scale, group_size, bias)
+        else:
+            if route.kernel == "twin":
+                x_q, x_s = quantize_activation_ref(x, group_size, input_scale)
+            else:
+                x_q, x_s = quantize_activation(rows_contiguous(x), group_size, input_scale)
+            y = self.float8_product(route, x_q, x_s, weight, scale, group_size, x.dtype, bias)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def float8_product(route: Fp8Route, x_q: torch.Tensor, x_s: torch.Tensor, weight: torch.Tensor,
+                       scale: torch.Tensor, group_size: int, out_dtype: torch.dtype,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+        """The product of quantized activations on any route but the GEMV."""
+        if route.kernel == "twin":
+            return fp8_matmul_ref(x_q, x_s, weight, scale, group_size, out_dtype, bias)
+        if route.kernel == "scaled_mm":
+            return scaled_mm_per_channel(x_q, x_s, weight, scale, out_dtype, bias)
+        return fp8_matmul(x_q, x_s, weight, scale, group_size, out_dtype, bias, route.tile)  # transposed or gemm
+
     def apply(self, layer, x, bias=None):
-        weight, scale, group_size, input_scale = self.operands(layer)
-        return fp8_linear(x, weight, scale, group_size, input_scale=input_scale, bias=bias)
+        return self.multiply(x, *self.operands(layer), bias=bias)
 
     def apply_silu_and_mul(self, layer, x, bias=None):
-        return fp8_linear_silu_and_mul(x, *self.operands(layer), bias=bias)
+        # silu(gate) * up from the GEMV's epilogue where the GEMV takes x (and does not split K:
+        # fp8_gemv then gives None), saving a launch and a round trip of gate and up per layer;
+        # elsewhere the caller runs the layer and silu_and_mul apart
+        weight, scale, group_size, input_scale = self.operands(layer)
+        if isinstance(x, QuantizedActivation) or x.dim() != 2 or \
+                self.route_of(x, weight, scale, input_scale).kernel != "gemv":
+            return None
+        return fp8_gemv(rows_contiguous(x), weight, scale, group_size, bias, gated=True)
 
 
 class Fp8BlockLinearMethod(Fp8LinearMethod):

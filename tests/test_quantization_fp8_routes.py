@@ -1,0 +1,213 @@
+"""Which kernel an FP8 linear layer multiplies with, per call (Fp8LinearMethod.route in
+nanovllm/quantization/fp8.py), for each weight layout, row count, device and dtype.
+
+The tables are the routes of the code before the choice moved out of nanovllm/kernels/fp8_linear.py
+(`fp8_linear`, `takes_gemv`, `fp8_gemm` and `decode_tile` at b0139b2), worked out by reading it and
+written here literally, so a change of route shows up as a change of this file. The device is faked
+(the CPU has none), so the choice is read without running a GPU kernel; the last test checks that
+`apply` runs the chosen kernel with the chosen tile.
+"""
+import pytest
+import torch
+from torch import nn
+
+import nanovllm.quantization.fp8 as fp8_methods
+from nanovllm.kernels.fp8_linear import MULTI_WAVE_TILE, GemmTile
+from nanovllm.kernels.fp8_primitives import FP8_DTYPE, QuantizedActivation
+from nanovllm.quantization.fp8 import (CudaDevice, Fp8BlockLinearMethod, Fp8ChannelLinearMethod, Fp8OnlineLinearMethod,
+                                       Fp8Route, Fp8TensorLinearMethod)
+
+H100 = CudaDevice(sms=132, major_capability=9)
+A100 = CudaDevice(sms=108, major_capability=8)
+INPUTS = 256    # two 128-column blocks: block scales have two groups a row (the route does not read K)
+
+GEMV, GEMM, SCALED_MM, TWIN = Fp8Route("gemv"), Fp8Route("gemm"), Fp8Route("scaled_mm"), Fp8Route("twin")
+
+
+def transposed(block_m: int, block_n: int, num_warps: int, num_stages: int) -> Fp8Route:
+    return Fp8Route("transposed", GemmTile(block_m, block_n, 128, num_warps, num_stages, 1, True))
+
+
+T64_5, T128_5, T128x128, T64_3, T128_3 = (transposed(64, 64, 4, 5), transposed(128, 64, 4, 5),
+                                          transposed(128, 128, 8, 5), transposed(64, 64, 4, 3),
+                                          transposed(128, 64, 4, 3))
+T256 = transposed(256, 64, 8, 5)
+assert T256.tile == MULTI_WAVE_TILE
+
+# layout -> (a method of that layout, the column of the tables below it reads): per-channel, online
+# and per-tensor dynamic scales all become one scale a row, with activations quantized per token
+LAYOUTS = {
+    "per-channel": (Fp8ChannelLinearMethod, 0),
+    "online": (Fp8OnlineLinearMethod, 0),
+    "per-tensor": (lambda: Fp8TensorLinearMethod(static_input=False), 0),
+    "per-tensor static": (lambda: Fp8TensorLinearMethod(static_input=True), 1),
+    "block 128x128": (lambda: Fp8BlockLinearMethod((128, 128)), 2),
+}
+ROWS = (1, 2, 8, 16, 17, 32, 64, 128, 192, 193, 256, 257, 1024)
+# bfloat16 on an H100, the Qwen3-8B projections' output features (o_proj and down_proj 4096, qkv_proj
+# 6144, gate_up_proj 24576): features -> {rows: (per-row dynamic, per-tensor static, block)}
+H100_BF16 = {
+    4096: {
+        1: (GEMV, T64_5, GEMV),
+        2: (T64_5, T64_5, GEMM),
+        8: (T64_5, T64_5, GEMM),
+        16: (T64_5, T64_5, GEMM),
+        17: (T64_5, T64_5, T64_5),
+        32: (T64_5, T64_5, T64_5),
+        64: (T64_5, T64_5, T64_5),
+        128: (T64_5, T64_5, T64_5),
+        192: (T128_5, T128_5, T128_5),
+        193: (T128_5, T128_5, T128_5),
+        256: (T128_5, T128_5, T128_5),
+        257: (SCALED_MM, SCALED_MM, GEMM),
+        1024: (SCALED_MM, SCALED_MM, GEMM),
+    },
+    6144: {
+        1: (GEMV, T64_5, GEMV),
+        2: (T64_5, T64_5, GEMM),
+        8: (T64_5, T64_5, GEMM),
+        16: (T64_5, T64_5, GEMM),
+        17: (T64_5, T64_5, T64_5),
+        32: (T64_5, T64_5, T64_5),
+        64: (T64_5, T64_5, T64_5),
+        128: (T128_5, T128_5, T128_5),
+        192: (T128x128, T128x128, T128x128),
+        193: (T128x128, T128x128, T128x128),
+        256: (T128x128, T128x128, T128x128),
+        257: (SCALED_MM, SCALED_MM, GEMM),
+        1024: (SCALED_MM, SCALED_MM, GEMM),
+    },
+    24576: {
+        1: (GEMV, T64_3, GEMV),
+        2: (T64_3, T64_3, GEMM),
+        8: (T64_3, T64_3, GEMM),
+        16: (T64_3, T64_3, GEMM),
+        17: (T64_3, T64_3, T64_3),
+        32: (T64_3, T64_3, T64_3),
+        64: (T64_3, T64_3, T64_3),
+        128: (T128_3, T128_3, T128_3),
+        192: (T256, T256, T256),
+        193: (SCALED_MM, SCALED_MM, T256),
+        256: (SCALED_MM, SCALED_MM, T256),
+        257: (SCALED_MM, SCALED_MM, GEMM),
+        1024: (SCALED_MM, SCALED_MM, GEMM),
+    },
+}
+# the same shapes in other conditions: (features, rows, dtype, device, input comes quantized) ->
+# (per-row dynamic, per-tensor static, block)
+OTHER_CONDITIONS = {
+    # float16: no _scaled_mm (bfloat16 only), the GEMV and the transposed tiles as in bfloat16
+    (4096, 1, torch.float16, H100, False): (GEMV, T64_5, GEMV),
+    (4096, 256, torch.float16, H100, False): (T128_5, T128_5, T128_5),
+    (4096, 257, torch.float16, H100, False): (GEMM, GEMM, GEMM),
+    (24576, 256, torch.float16, H100, False): (GEMM, GEMM, T256),
+    # float32: no GEMV, no _scaled_mm
+    (4096, 1, torch.float32, H100, False): (T64_5, T64_5, GEMM),
+    (4096, 1024, torch.float32, H100, False): (GEMM, GEMM, GEMM),
+    # an A100 (108 SMs, no _scaled_mm): tiles for its grid
+    (4096, 1, torch.bfloat16, A100, False): (GEMV, T64_5, GEMV),
+    (4096, 128, torch.bfloat16, A100, False): (T128_5, T128_5, T128_5),
+    (6144, 128, torch.bfloat16, A100, False): (T128_5, T128_5, T128_5),
+    (6144, 256, torch.bfloat16, A100, False): (T128x128, T128x128, T128x128),
+    (24576, 256, torch.bfloat16, A100, False): (GEMM, GEMM, T256),
+    (4096, 1024, torch.bfloat16, A100, False): (GEMM, GEMM, GEMM),
+    # a QuantizedActivation (from the RMSNorm or SiLU-and-mul before the layer) never takes the GEMV
+    (4096, 1, torch.bfloat16, H100, True): (T64_5, T64_5, GEMM),
+    (4096, 64, torch.bfloat16, H100, True): (T64_5, T64_5, T64_5),
+    (24576, 256, torch.bfloat16, H100, True): (SCALED_MM, SCALED_MM, T256),
+    (4096, 1024, torch.bfloat16, H100, True): (SCALED_MM, SCALED_MM, GEMM),
+}
+
+
+def fp8_layer(method, features: int) -> nn.Module:
+    """A loaded layer of `features` x INPUTS under `method`, its tensors on the CPU (zeros)."""
+    layer = nn.Module()
+    layer.input_size, layer.output_sizes, layer.input_start = INPUTS, [features], 0
+    layer.quant_method = method
+    method.create_weights(layer, INPUTS, [features], torch.bfloat16)
+    for param in layer.parameters():
+        param.data.zero_()
+    method.process_weights_after_loading(layer)
+    return layer
+
+
+@pytest.fixture(scope="module")
+def layers() -> dict[tuple[str, int], nn.Module]:
+    return {(layout, features): fp8_layer(make(), features) for layout, (make, _) in LAYOUTS.items()
+            for features in H100_BF16}
+
+
+def chosen_route(layer: nn.Module, rows: int, dtype: torch.dtype, quantized: bool = False) -> Fp8Route:
+    """The route the layer's method chooses for an input of `rows` rows (on the faked device)."""
+    x = torch.zeros(1, INPUTS, dtype=dtype).expand(rows, INPUTS)
+    if quantized:
+        x = QuantizedActivation(torch.zeros(rows, INPUTS, dtype=FP8_DTYPE), torch.ones(rows, 1), dtype)
+    weight, scale, _, input_scale = layer.quant_method.operands(layer)
+    return layer.quant_method.route_of(x, weight, scale, input_scale)
+
+
+def on(monkeypatch, device: CudaDevice | None) -> None:
+    monkeypatch.setattr(fp8_methods, "cuda_device", lambda t: device)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("features", list(H100_BF16))
+def test_routes_on_an_h100_in_bfloat16(layers, monkeypatch, layout, features):
+    on(monkeypatch, H100)
+    column = LAYOUTS[layout][1]
+    chosen = {rows: chosen_route(layers[layout, features], rows, torch.bfloat16) for rows in ROWS}
+    assert chosen == {rows: routes[column] for rows, routes in H100_BF16[features].items()}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_routes_in_other_dtypes_devices_and_for_quantized_inputs(layers, monkeypatch, layout):
+    column = LAYOUTS[layout][1]
+    for (features, rows, dtype, device, quantized), routes in OTHER_CONDITIONS.items():
+        on(monkeypatch, device)
+        assert chosen_route(layers[layout, features], rows, dtype, quantized) == routes[column], \
+            (features, rows, dtype, device, quantized)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_cpu_runs_the_twins(layers, monkeypatch, layout):
+    on(monkeypatch, None)
+    for rows in ROWS:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            assert chosen_route(layers[layout, 4096], rows, dtype) == TWIN
+
+
+@pytest.mark.parametrize("layout", ["per-channel", "per-tensor static", "block 128x128"])
+@pytest.mark.parametrize("rows", [1, 8, 64, 193, 257])
+def test_apply_runs_the_chosen_kernel_on_its_tile(layers, monkeypatch, layout, rows):
+    """apply calls the kernel the route names, with its tile, on the quantized input (the 16-bit one
+    for the GEMV); the kernels are stand-ins that record their calls (their math:
+    tests/test_kernels_fp8_linear.py, tests/test_gemv.py)."""
+    on(monkeypatch, H100)
+    calls = []
+
+    def stand_in(name, weight_arg):
+        def kernel(*args, **kwargs):
+            calls.append((name, args))
+            if name == "quantize":
+                return torch.zeros(args[0].shape, dtype=FP8_DTYPE), torch.ones(args[0].shape[0], 1)
+            return torch.zeros(args[0].shape[0], args[weight_arg].shape[0], dtype=torch.bfloat16)
+        return kernel
+
+    for name, attribute, weight_arg in (("gemv", "fp8_gemv", 1), ("quantize", "quantize_activation", None),
+                                        ("matmul", "fp8_matmul", 2), ("scaled_mm", "scaled_mm_per_channel", 2)):
+        monkeypatch.setattr(fp8_methods, attribute, stand_in(name, weight_arg))
+    layer = layers[layout, 24576]
+    weight, scale, group_size, input_scale = layer.quant_method.operands(layer)
+    x = torch.randn(rows, INPUTS, dtype=torch.bfloat16)
+    route = chosen_route(layer, rows, torch.bfloat16)
+    assert layer.quant_method.apply(layer, x).shape == (rows, 24576)
+    if route == GEMV:
+        assert [name for name, _ in calls] == ["gemv"] and torch.equal(calls[0][1][0], x)
+        return
+    (quantize, (x_in, group, static)), (gemm, args) = calls
+    assert quantize == "quantize" and torch.equal(x_in, x) and group == group_size and static is input_scale
+    assert args[2] is weight and args[3] is scale
+    if route == SCALED_MM:
+        assert gemm == "scaled_mm"
+    else:
+        assert gemm == "matmul" and args[7] == route.tile         # None: gemm_tile's tile
