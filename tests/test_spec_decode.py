@@ -595,10 +595,16 @@ def test_beam_search_runs_without_speculation(base, spec):
 
 
 def test_tensor_parallel_speculation_keeps_greedy_outputs(base, eos_model):
-    """Two ranks on gloo verify the proposals as one: greedy outputs equal the plain engine's."""
+    """Two ranks on gloo verify the proposals as one: greedy outputs, and seeded ones (their first
+    token sampled on the ranks' vocabulary shards, the rest verified on rank 0), equal the plain engine's."""
     prompts = mixed_prompts(500, lengths=(12, 30), seed=3) + [LOOP_PROMPT]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    seeded = [SamplingParams(temperature=0.8, seed=s, n=2, max_tokens=24, ignore_eos=True) for s in range(2)]
     with LLM(eos_model[0], **ENGINE, speculative_config=NGRAM, tensor_parallel_size=2) as tp:
         assert_same_outputs(base.generate(prompts, params, use_tqdm=False), tp.generate(prompts, params, use_tqdm=False))
         assert spec_counts(tp)[2] > 0
+        accepted = spec_counts(tp)[2]
+        assert_same_outputs(base.generate([LOOP_PROMPT] * 2, seeded, use_tqdm=False),
+                            tp.generate([LOOP_PROMPT] * 2, seeded, use_tqdm=False))
+        assert spec_counts(tp)[2] > accepted
         assert_no_blocks_held(tp)

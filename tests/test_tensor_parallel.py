@@ -1,5 +1,6 @@
-"""Tensor parallelism over CPU processes (gloo): the same tokens as one process, and clean failure
-and shutdown. On a machine with 2+ GPUs the same tests run over NCCL (device="auto")."""
+"""Tensor parallelism over CPU processes (gloo): the same tokens as one process (sampled on the
+ranks' vocabulary shards or by rank 0, steps overlapped), and clean failure and shutdown. On a
+machine with 2+ GPUs the same tests run over NCCL (device="auto")."""
 import multiprocessing as mp
 import os
 import threading
@@ -8,8 +9,9 @@ import time
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from nanovllm.checkpoints.random_checkpoint import write_tiny_model
 from nanovllm.executor.processes import MULTICAST_OFF, WorkerCall
 from tests.conftest import mixed_prompts
@@ -39,6 +41,74 @@ def test_two_ranks_give_the_same_tokens_as_one(model_path, hf_greedy, engine_arg
     two = run_both(model_path, prompts, GREEDY, tensor_parallel_size=2, **engine_args)
     assert one == two
     assert one[0] == [hf_greedy(model_path, p, 16) for p in prompts]
+
+
+def seeded(temperature: float, seed: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=temperature, seed=seed, max_tokens=16, ignore_eos=True, **kwargs)
+
+
+def sampling_paths(llm, monkeypatch) -> dict[str, int]:
+    """Count, in rank 0's process, the steps sampled on vocabulary shards, the logits gathers, and
+    the schedules made while a step was in flight (the overlap)."""
+    counts = dict(shard_steps=0, gathers=0, scheduled_in_flight=0)
+    core, driver, gather = llm.engine.core, llm.engine.core.executor.driver, dist.gather
+
+    def count(name, original, when=lambda: True):
+        def wrapper(*args, **kwargs):
+            counts[name] += when()
+            return original(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(driver, "sample_shard", count("shard_steps", driver.sample_shard))
+    monkeypatch.setattr(dist, "gather", count("gathers", gather))
+    monkeypatch.setattr(core.scheduler, "schedule", count("scheduled_in_flight", core.scheduler.schedule,
+                                                          lambda: core.in_flight is not None))
+    return counts
+
+
+def test_sampling_paths_give_one_ranks_tokens_with_steps_overlapped(model_paths, monkeypatch):
+    """Greedy and seeded temperature rows (n > 1 too) are sampled on each rank's vocabulary shard,
+    no logits gathered; a batch where one request asks logprobs, a grammar-constrained batch (sampled
+    after the step before is collected) and beam search gather the logits to rank 0, which broadcasts
+    the ids. Either way every rank holds the ids, the next step is scheduled while one is in flight,
+    and tokens equal one rank's (logprobs within float error)."""
+    path = model_paths["gqa_tied"]
+    prompts = mixed_prompts(500, lengths=(1, 17, 70, 5), seed=5)
+    on_shards = [GREEDY, seeded(0.8, 1), seeded(1.3, 2, n=2), seeded(0.6, 3)]
+    with_logprobs = [GREEDY, seeded(0.8, 1, logprobs=3), seeded(1.3, 2), GREEDY]
+    grammar = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    constrained = [seeded(0.9, i, structured_outputs=grammar) for i in range(2)] + [seeded(0.8, 4), GREEDY]
+    beams = BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True)
+    runs = [("shards", on_shards), ("logprobs", with_logprobs), ("grammar", constrained)]
+
+    def run(llm, counted=None):
+        outputs = {}
+        for name, params in runs:
+            counts = sampling_paths(llm, monkeypatch) if counted is not None else None
+            outputs[name] = llm.generate(prompts, params, use_tqdm=False)
+            if counted is not None:
+                counted[name] = counts
+            monkeypatch.undo()
+        outputs["beams"] = llm.beam_search(prompts[:2], beams)
+        return outputs
+
+    with LLM(path, kvcache_block_size=16) as llm:
+        one = run(llm)
+    counted = {}
+    with LLM(path, kvcache_block_size=16, tensor_parallel_size=2) as llm:
+        two = run(llm, counted)
+        assert llm.engine.core.overlap
+    for name, _ in runs:
+        assert [[c["token_ids"] for c in o["outputs"]] for o in two[name]] == \
+            [[c["token_ids"] for c in o["outputs"]] for o in one[name]], name
+        assert counted[name]["scheduled_in_flight"] > 0, name
+    assert counted["shards"]["shard_steps"] > 0 and counted["shards"]["gathers"] == 0
+    assert counted["logprobs"]["shard_steps"] == 0 and counted["logprobs"]["gathers"] > 0
+    assert counted["grammar"]["gathers"] > 0
+    for got, expected in zip(two["logprobs"][1]["logprobs"], one["logprobs"][1]["logprobs"]):
+        assert got.keys() == expected.keys()
+        assert all(abs(got[t] - expected[t]) < 1e-4 for t in got)
+    assert [[b["token_ids"] for b in o["sequences"]] for o in two["beams"]] == \
+        [[b["token_ids"] for b in o["sequences"]] for o in one["beams"]]
 
 
 def test_kv_head_replicated_when_fewer_kv_heads_than_ranks(tmp_path, hf_greedy):
@@ -121,6 +191,16 @@ def test_interrupts_on_the_tensor_parallel_path(model_paths, hf_greedy, monkeypa
             assert_consistent(llm)
             assert llm.engine.is_finished() and llm.engine.core.scheduler.block_manager.num_used_blocks == 0
             assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected, point
+        # a constrained step samples only after the step before is collected: interrupted there, the
+        # worker waits for ids rank 0 never sends, so it is started anew
+        workers = [w.process.pid for w in llm.engine.core.executor.processes]
+        grammar = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+        fail_on_call(llm.engine.core.executor, "collect", 3, KeyboardInterrupt)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, SamplingParams(max_tokens=16, seed=1, structured_outputs=grammar), use_tqdm=False)
+        assert workers != [w.process.pid for w in llm.engine.core.executor.processes]
+        assert_consistent(llm)
+        assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
         # a real Ctrl-C, wherever it lands
         generate_until_ctrl_c(llm, prompts * 4, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True), 0.3)
         assert_consistent(llm)

@@ -38,6 +38,18 @@ class ScheduledBatch:
 
 
 @dataclass(slots=True)
+class ShardSampling:
+    """A step whose rows are all greedy or plain temperature sampling: under tensor parallelism each
+    rank samples its own vocabulary shard (sample/shard_sampler.py) instead of gathering the logits."""
+    temperatures: np.ndarray    # [rows] float32; 0 = greedy
+    seeds: np.ndarray           # [rows] int64 noise seed of each row for this step
+
+    @property
+    def all_greedy(self) -> bool:
+        return not self.temperatures.any()
+
+
+@dataclass(slots=True)
 class StepInputs:
     """Everything the model needs for one step, as flat host arrays (cheap to ship to TP workers)."""
     is_prefill: bool
@@ -52,6 +64,10 @@ class StepInputs:
     # the prefix cache's host tier, made before the step: [n, 2] (GPU, host) and (host, GPU) blocks
     kv_offloads: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
     kv_loads: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
+    # tensor parallelism on one stage: how every rank gets the sampled ids (the next step may read
+    # them as pending tokens); rank 0 decides, the other ranks follow (Worker.run)
+    shard_sampling: ShardSampling | None = None   # every rank samples its shard of the vocabulary
+    num_shared_tokens: int = 0    # or rank 0 samples the gathered logits and broadcasts this many ids
 
     @property
     def num_seqs(self) -> int:

@@ -1,8 +1,8 @@
 """The engine core: schedule a step, launch it, collect the step before it, recover from anything.
 
 The host prepares step N+1 while the device runs step N, whose tokens it collects after (the
-overlap); a step that speculates, samples beams or runs on several ranks is collected before the
-next is scheduled. Sequences are the core's currency: it never sees text (stop strings are the
+overlap), also under tensor parallelism; a step that speculates, samples beams or runs in pipeline
+stages is collected before the next is scheduled. Sequences are the core's currency: it never sees text (stop strings are the
 output processor's, asked through `finds_stop`) and never builds an output; it lists the requests
 that finished (`finished`), and the engine above turns them into outputs.
 
@@ -34,10 +34,10 @@ class EngineCore:
         self.executor = Executor(config)
         self.scheduler = Scheduler(config, self._new_block_manager(),
                                    0 if spec is None else spec.num_speculative_tokens)
-        # Worker processes (tensor-parallel ranks, pipeline stages) need every step's token ids on the
-        # host first; a pooling request ends with its prefill and must finish before the next step is
-        # scheduled: no overlap for either.
-        self.overlap = config.world_size == 1 and config.runner == "generate"
+        # Tensor-parallel ranks all hold the sampled ids on their device (Worker.run); pipeline stages
+        # need every step's token ids on the host first, and a pooling request ends with its prefill
+        # and must finish before the next step is scheduled: no overlap for either.
+        self.overlap = config.pipeline_parallel_size == 1 and config.runner == "generate"
         self.in_flight: LaunchedStep | None = None
         self.requests: dict[Hashable, Sequence] = {}   # first sequence of each live or unreturned request
         self.finished: list[Hashable] = []             # requests done since the engine last looked

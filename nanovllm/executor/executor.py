@@ -5,9 +5,13 @@ The executor turns a ScheduledBatch into StepInputs (step_inputs.py), sends them
 processes (processes.py) and runs rank 0's worker, whose device samples one token for every sequence
 whose prompt is fully computed (sampling_inputs.py); a verify step (speculative decoding) samples
 every position of each sequence and keeps a prefix of its proposals (sample/rejection_sampler.py).
+Under tensor parallelism every rank ends a sampled step holding its ids, for the next step to read:
+each samples its vocabulary shard when no row needs every logit (sample/shard_sampler.py), or rank 0
+samples the gathered logits and broadcasts the ids; rank 0 decides which, in the step's inputs.
 It holds the host's view of a step (its sequences); workers hold only tensors. It never decides
 what runs; the scheduler does.
 """
+import contextlib
 import os
 import time
 import weakref
@@ -19,14 +23,14 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.core.sequence import Sequence
-from nanovllm.core.step import ScheduledBatch, StepInputs
+from nanovllm.core.step import ScheduledBatch, ShardSampling, StepInputs
 from nanovllm.executor.processes import (LOADED, MULTICAST_OFF, WorkerCall, WorkerProcess, deferred_keyboard_interrupt,
                                          start_worker_processes, stop_worker_processes)
 from nanovllm.executor.prompt_logprobs import (PromptLogprobRows, attach_prompt_logprobs,
                                                compute_prompt_logprobs, plan_prompt_logprobs,
                                                with_prompt_rows)
 from nanovllm.executor.ray_processes import RayRank, start_ray_workers, stop_ray_workers
-from nanovllm.executor.sampling_inputs import build_sampling_tensors, logprobs_by_row
+from nanovllm.executor.sampling_inputs import build_sampling_tensors, build_shard_sampling, logprobs_by_row
 from nanovllm.executor.pooling import pool_embeddings
 from nanovllm.executor.step_inputs import build_step_inputs
 from nanovllm.sample.sampler import SamplerOutput, SamplingTensors
@@ -64,7 +68,8 @@ class Executor:
     def __init__(self, config: Config, multi_token_len: int | None = None):
         self.config = config
         self.processes: list[WorkerProcess | RayRank] = []
-        self.needs_restart = False    # ranks went out of step (see _execute_everywhere)
+        self.ranks_apart = False      # ranks went out of step (see _step_everywhere)
+        self.ids_awaited = False      # the other ranks wait for the ids of a step launched unsampled
         init_method = None
         if config.world_size > 1:     # tensor-parallel ranks and pipeline stages
             os.environ.update(MULTICAST_OFF)
@@ -77,6 +82,12 @@ class Executor:
             process.expect(LOADED)
         self.driver.init_kv_cache()
         self.unseeded = np.random.default_rng()
+
+    @property
+    def needs_restart(self) -> bool:
+        """Must the engine start the ranks anew? When they went out of step, or wait in a broadcast
+        for the ids of a step whose sampling never ran (an error between launch and sample)."""
+        return self.ranks_apart or self.ids_awaited
 
     @property
     def num_kvcache_blocks(self) -> int:
@@ -96,7 +107,7 @@ class Executor:
             try:
                 mine = getattr(self.driver, method)(*args, **kwargs)
             except BaseException:
-                self.needs_restart = bool(self.processes)     # the others may wait in a collective
+                self.ranks_apart = bool(self.processes)     # the others may wait in a collective
                 raise
             answers = [process.answer() for process in self.processes]     # every one, so none is stale
             for process, (status, value) in zip(self.processes, answers):
@@ -117,6 +128,9 @@ class Executor:
         return build_sampling_tensors(seqs, self.config.model_config.vocab_size, self.config.eos_token_ids,
                                       self.unseeded, self.driver.host_to_device, offsets)
 
+    def prepare_shard_sampling(self, seqs: list[Sequence]) -> ShardSampling | None:
+        return build_shard_sampling(seqs, self.unseeded)
+
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, sample: bool = True) -> LaunchedStep:
         """Queue one scheduled step (model and, unless `sample` is False, sampling) on the device and
@@ -125,30 +139,42 @@ class Executor:
         prompt_rows = plan_prompt_logprobs(batch, inputs)     # None unless a sequence asks
         if prompt_rows is not None:
             sampled_rows, inputs.logits_indices = with_prompt_rows(inputs.logits_indices, prompt_rows)
-        logits = self._execute_everywhere(inputs) if self.processes else self.driver.execute(inputs)
-        if prompt_rows is not None:
-            to_device = self.driver.host_to_device
-            compute_prompt_logprobs(prompt_rows, logits[to_device(prompt_rows.logits_rows)], to_device)
-            logits = logits[to_device(sampled_rows)]
         seqs = batch.sampled_seqs()
-        if not seqs:
-            return LaunchedStep(seqs, prompt_logprobs=prompt_rows)
-        if self.driver.pooling:     # the rows are the final hidden states of each prompt's last token
-            step = LaunchedStep(seqs, embeddings=pool_embeddings(logits).to("cpu", non_blocking=True))
-            step.done = torch.cuda.Event() if self.driver.is_cuda else None
-            if step.done is not None:
-                step.done.record()
+        if self.driver.shares_tokens and seqs and batch.draft_token_ids is None and not self.driver.pooling:
+            # every rank gets the sampled ids: sampled on the shards when no row needs every logit
+            if sample and prompt_rows is None:
+                inputs.shard_sampling = self.prepare_shard_sampling(seqs)
+            if inputs.shard_sampling is None:
+                inputs.num_shared_tokens = len(seqs)
+                self.ids_awaited = not sample
+        with self._step_everywhere(inputs):
+            if inputs.shard_sampling is not None:
+                step = LaunchedStep(seqs)
+                self._to_host(step, SamplerOutput(self.driver.run(inputs)))
+                return step
+            logits = self.driver.run(inputs)
+            if prompt_rows is not None:
+                to_device = self.driver.host_to_device
+                compute_prompt_logprobs(prompt_rows, logits[to_device(prompt_rows.logits_rows)], to_device)
+                logits = logits[to_device(sampled_rows)]
+            if not seqs:
+                return LaunchedStep(seqs, prompt_logprobs=prompt_rows)
+            if self.driver.pooling:     # the rows are the final hidden states of each prompt's last token
+                step = LaunchedStep(seqs, embeddings=pool_embeddings(logits).to("cpu", non_blocking=True))
+                step.done = torch.cuda.Event() if self.driver.is_cuda else None
+                if step.done is not None:
+                    step.done.record()
+                return step
+            if batch.draft_token_ids is not None:     # a verify step samples at once (never constrained)
+                out, num_accepted = self._verify(logits, seqs, batch.draft_token_ids)
+                step = LaunchedStep(seqs, draft_lens=list(map(len, batch.draft_token_ids)))
+                step.num_accepted = num_accepted.to("cpu", non_blocking=True)
+                self._to_host(step, out)
+                return step
+            step = LaunchedStep(seqs, logits=logits, sampling=self.prepare_sampling(seqs), prompt_logprobs=prompt_rows)
+            if sample:
+                self._sample(step)
             return step
-        if batch.draft_token_ids is not None:     # a verify step samples at once (never constrained)
-            out, num_accepted = self._verify(logits, seqs, batch.draft_token_ids)
-            step = LaunchedStep(seqs, draft_lens=list(map(len, batch.draft_token_ids)))
-            step.num_accepted = num_accepted.to("cpu", non_blocking=True)
-            self._to_host(step, out)
-            return step
-        step = LaunchedStep(seqs, logits=logits, sampling=self.prepare_sampling(seqs), prompt_logprobs=prompt_rows)
-        if sample:
-            self.sample(step)
-        return step
 
     def _verify(self, logits: torch.Tensor, seqs: list[Sequence],
                 drafts: list[list[int]]) -> tuple[SamplerOutput, torch.Tensor]:
@@ -159,7 +185,13 @@ class Executor:
 
     @torch.inference_mode()
     def sample(self, step: LaunchedStep, token_bitmask=None) -> None:
-        """Queue a launched step's sampling, under the grammars' token bitmask (TokenBitmask) if any."""
+        """Queue the sampling of a step launched without it, under the grammars' token bitmask
+        (TokenBitmask) if any; under tensor parallelism this ends the step on every rank."""
+        with self._step_everywhere():
+            self._sample(step, token_bitmask)
+            self.ids_awaited = False
+
+    def _sample(self, step: LaunchedStep, token_bitmask=None) -> None:
         if token_bitmask is not None:
             step.sampling.token_bitmask, step.sampling.bitmask_rows = token_bitmask.to(self.driver.device)
         out = self.driver.sample(step.logits, step.sampling)
@@ -175,21 +207,27 @@ class Executor:
         if step.done is not None:
             step.done.record()
 
-    def _execute_everywhere(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Send a step to the worker processes and run rank 0's share. A Ctrl-C waits until the step
-        is done (the ranks must meet in every collective); any other failure once the processes have
-        the step leaves the ranks apart, so the engine must start them anew (needs_restart)."""
+    @contextlib.contextmanager
+    def _step_everywhere(self, inputs: StepInputs | None = None):
+        """Send a step to the worker processes (None: continue the one they have) and run rank 0's
+        share in the block. A Ctrl-C waits until the block ends (the ranks must meet in every
+        collective); any other failure once the processes have the step leaves the ranks apart, so
+        the engine must start them anew (needs_restart)."""
+        if not self.processes:
+            yield
+            return
         with deferred_keyboard_interrupt():
-            for process in self.processes:
-                process.send(inputs)
+            if inputs is not None:
+                for process in self.processes:
+                    process.send(inputs)
             try:
-                return self.driver.execute(inputs)
-            except BaseException as error:
+                yield
+            except BaseException:
                 for process in self.processes:   # a collective failing because a rank died says so
                     process.join(timeout=1)
                     process.check_alive()
-                self.needs_restart = True
-                raise error
+                self.ranks_apart = True
+                raise
 
     def collect(self, step: LaunchedStep) -> tuple[list[int], list[dict[int, float] | None]]:
         """Wait for a launched step; the token (and logprobs, where asked) of each sampled sequence.

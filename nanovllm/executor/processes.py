@@ -132,7 +132,7 @@ def worker_main(config: Config, rank: int, init_method: str, multi_token_len: in
                 except Exception:
                     conn.send(("error", traceback.format_exc()))
             else:
-                worker.execute(message)
+                worker.run(message)
     except EOFError:                      # rank 0's process is gone
         pass
     finally:

@@ -48,7 +48,7 @@ class RayWorker:
         self.worker.init_kv_cache()
 
     def execute(self, inputs: StepInputs) -> None:
-        self.worker.execute(inputs)       # the logits only rank 0 uses stay here
+        self.worker.run(inputs)       # what a step returns only rank 0 uses
 
     def call(self, message: WorkerCall) -> tuple[str, object]:
         try:

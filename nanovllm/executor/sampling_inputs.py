@@ -1,4 +1,5 @@
-"""The sampler's per-row tensors for the sequences a step samples, and the logprobs it returns."""
+"""The sampler's per-row tensors for the sequences a step samples (or, under tensor parallelism,
+what each rank needs to sample its vocabulary shard), and the logprobs it returns."""
 from collections.abc import Callable
 
 import numpy as np
@@ -6,7 +7,23 @@ import torch
 import xxhash
 
 from nanovllm.core.sequence import Sequence
+from nanovllm.core.step import ShardSampling
 from nanovllm.sample.sampler import SamplerOutput, SamplingTensors
+
+
+def row_seeds(seqs: list[Sequence], all_greedy: bool, unseeded: np.random.Generator,
+              offsets: list[int] | None = None) -> np.ndarray:
+    """Each row's noise seed for this step: random, or for a seeded sequence one that depends only on
+    its seed, its index among the request's n completions, and how many tokens it has made."""
+    if all_greedy:
+        return np.zeros(len(seqs), dtype=np.int64)
+    seeds = unseeded.integers(0, 2**63 - 1, len(seqs))
+    for row, seq in enumerate(seqs):
+        seed = seq.sampling_params.seed
+        if seed is not None:
+            num_generated = seq.num_completion_tokens + (offsets[row] if offsets else 0)
+            seeds[row] = xxhash.xxh64_intdigest(f"{seed}/{seq.index}/{num_generated}".encode()) >> 1
+    return seeds
 
 
 def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: tuple[int, ...],
@@ -20,16 +37,12 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids:
     temperatures, top_p, min_p = values.T
     top_k = np.array([min(p.top_k, vocab_size) if p.top_k > 0 else 0 for p in params], dtype=np.int64)
     all_greedy = not temperatures.any()
-    seeds = np.zeros(len(seqs), dtype=np.int64) if all_greedy else unseeded.integers(0, 2**63 - 1, len(seqs))
+    seeds = row_seeds(seqs, all_greedy, unseeded, offsets)
     banned, asked = {}, []
     for row, p in enumerate(params):   # most rows ask for none of these; skip them cheaply
-        if p.seed is None and not p.min_tokens and p.logprobs is None:
+        if not p.min_tokens and p.logprobs is None:
             continue
         num_generated = seqs[row].num_completion_tokens + (offsets[row] if offsets else 0)
-        if p.seed is not None and not all_greedy:
-            # a seeded sequence's noise depends only on its seed, its index among the request's
-            # n completions, and how many tokens it has made
-            seeds[row] = xxhash.xxh64_intdigest(f"{p.seed}/{seqs[row].index}/{num_generated}".encode()) >> 1
         if num_generated < p.min_tokens and p.structured_outputs is None:   # a grammar decides its end
             banned[row] = ([] if p.ignore_eos else list(eos_token_ids)) + p.stop_token_ids
         if p.logprobs is not None:
@@ -43,6 +56,19 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids:
     if min_p.any():
         sampling.min_p = to_device(min_p.astype(np.float32))
     return sampling
+
+
+def build_shard_sampling(seqs: list[Sequence], unseeded: np.random.Generator) -> ShardSampling | None:
+    """What the tensor-parallel ranks need to sample their vocabulary shards (greedy or plain
+    temperature rows), or None when a row needs every logit: logprobs, a top_k / top_p / min_p
+    filter, or tokens min_tokens still bans. (Grammar masks come after launch: the executor asks.)"""
+    for seq in seqs:
+        p = seq.sampling_params
+        if p.logprobs is not None or p.top_k > 0 or p.top_p < 1 or p.min_p > 0 or \
+                seq.num_completion_tokens < p.min_tokens:
+            return None
+    temperatures = np.array([seq.sampling_params.temperature for seq in seqs], dtype=np.float32)
+    return ShardSampling(temperatures, row_seeds(seqs, not temperatures.any(), unseeded))
 
 
 def logprobs_by_row(out: SamplerOutput, seqs: list[Sequence]) -> list[dict[int, float] | None]:

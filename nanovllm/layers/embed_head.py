@@ -37,10 +37,12 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """Logits over the whole vocabulary on the stage's tp rank 0; None on its other ranks."""
+    def forward(self, hidden_states: torch.Tensor, gather: bool = True) -> torch.Tensor | None:
+        """Logits over the whole vocabulary on the stage's tp rank 0, None on its other ranks; or,
+        without `gather`, each rank's own shard (its ids vocab_start.., then padding columns past the
+        vocabulary on the last one) for sampling there (sample/shard_sampler.py)."""
         logits = F.linear(hidden_states, self.weight)
-        if self.tp_size == 1:
+        if self.tp_size == 1 or not gather:
             return logits
         shards = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
         dist.gather(logits, shards, dst=self.tp_root, group=self.tp_group)

@@ -202,5 +202,5 @@ class CausalLM(nn.Module):
             return self.lm_head is not None
         return True
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.lm_head(hidden_states)
+    def compute_logits(self, hidden_states: torch.Tensor, gather: bool = True) -> torch.Tensor | None:
+        return self.lm_head(hidden_states, gather)

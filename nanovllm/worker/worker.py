@@ -2,8 +2,9 @@
 
 A worker runs the model on a step's flat inputs (StepInputs: core/step.py), eagerly or by replaying
 a CUDA graph for decode (cuda_graph.py), over the paged pool (kv_cache.py), and samples the rows it
-is given. It knows nothing of sequences or scheduling: the executor (executor/executor.py) turns
-scheduled batches into inputs, drives every rank's worker, and reads the tokens back. Start-up is in
+is given (under tensor parallelism every rank ends a step holding the sampled ids: `run`). It knows
+nothing of sequences or scheduling: the executor (executor/executor.py) turns scheduled batches
+into inputs, drives every rank's worker, and reads the tokens back. Start-up is in
 two halves so that an executor can check every rank loaded its weights before the first collective
 (sizing the KV pool): `Worker(...)` loads the model, `init_kv_cache()` sizes, allocates and warms up.
 
@@ -22,11 +23,12 @@ import torch.distributed as dist
 
 from nanovllm.attention import choose_attention_backend, use_metadata
 from nanovllm.config import Config
-from nanovllm.core.step import SPECULATION_MAX_RUNNING, StepInputs
+from nanovllm.core.step import SPECULATION_MAX_RUNNING, ShardSampling, StepInputs
 from nanovllm.kernels.fp8_kv_cache import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.parallel_state import init_parallel_state, reset_parallel_state
 from nanovllm.sample.sampler import Sampler, SamplerOutput, SamplingTensors
+from nanovllm.sample.shard_sampler import sample_shard
 from nanovllm.models.registry import build_model
 from nanovllm.worker.weight_loader import load_model, weight_bytes
 from nanovllm.worker.cuda_graph import StepGraphs
@@ -200,6 +202,9 @@ class Worker(WorkerRollout):
                                                  torch.zeros(rows, dtype=torch.int64, device=self.device),
                                                  token_bitmask=torch.full((rows, -(-logits.shape[1] // 32)), -1, **int32),
                                                  bitmask_rows=torch.arange(rows, **int32)))
+        if self.shares_tokens:    # every rank: compiles the shard sampler's kernel (meets in its all-gather)
+            self.sample_shard(self.model.compute_logits(hidden.to(config.torch_dtype), gather=False),
+                              ShardSampling(np.ones(rows, np.float32), np.zeros(rows, np.int64)))
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
@@ -244,17 +249,49 @@ class Worker(WorkerRollout):
 
     # ---- one step ------------------------------------------------------------------------------
 
+    @property
+    def shares_tokens(self) -> bool:
+        """Do the other ranks need this rank's sampled ids? Under tensor parallelism on one stage
+        every rank reads the pending tokens of the next step from its own device."""
+        return self.tp_size > 1 and self.parallel.num_stages == 1
+
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sampling: SamplingTensors) -> SamplerOutput:
-        """Sample the rows of a step's logits; the next step reads its pending tokens from the result."""
+        """Sample the rows of a step's logits (rank 0); the next step reads its pending tokens from
+        the result, on every rank: a tensor-parallel group gets them by broadcast (Worker.run)."""
         out = self.sampler(logits, sampling)
+        if self.shares_tokens:
+            dist.broadcast(out.token_ids, src=0, group=self.parallel.tp_group)
         self.last_token_ids = out.token_ids
         return out
 
     @torch.inference_mode()
+    def sample_shard(self, logits: torch.Tensor, sampling: ShardSampling) -> torch.Tensor:
+        """Every tensor-parallel rank samples its own shard of the vocabulary and gets the same ids."""
+        head = self.model.lm_head
+        temperatures, seeds = self.host_to_device(sampling.temperatures), self.host_to_device(sampling.seeds)
+        self.last_token_ids = sample_shard(logits, temperatures, seeds, sampling.all_greedy, head.vocab_start,
+                                           head.num_embeddings, self.parallel.tp_group)
+        return self.last_token_ids
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+        """A step as every rank runs it: the model, then this rank's part of the sampling. With
+        `inputs.shard_sampling`, the sampled ids; otherwise what `execute` returns (rank 0 then
+        samples, broadcasting the ids to the others, who wait for them here)."""
+        logits = self.execute(inputs)
+        if inputs.shard_sampling is not None:
+            return self.sample_shard(logits, inputs.shard_sampling)
+        if inputs.num_shared_tokens and self.rank != 0:
+            self.last_token_ids = torch.empty(inputs.num_shared_tokens, dtype=torch.int64, device=self.device)
+            dist.broadcast(self.last_token_ids, src=0, group=self.parallel.tp_group)
+        return logits
+
+    @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Run the model on one step's inputs; logits of the sampled rows (on rank 0), or under
-        runner="pooling" their final hidden states."""
+        """Run the model on one step's inputs; logits of the sampled rows (on rank 0, or each rank's
+        vocabulary shard for `inputs.shard_sampling`), or under runner="pooling" their final hidden
+        states."""
         if len(inputs.kv_offloads) or len(inputs.kv_loads):    # the prefix cache's host tier
             self.host_kv_cache.transfer(inputs.kv_offloads, inputs.kv_loads)
         if len(inputs.block_copies):    # copy-on-write of blocks shared by forked sequences
@@ -284,7 +321,7 @@ class Worker(WorkerRollout):
             hidden = hidden[self.host_to_device(rows)]
         if self.pooling:
             return hidden
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden, gather=inputs.shard_sampling is None)
         if self.parallel.num_stages > 1 and self.parallel.tp_rank == 0 and len(rows):
             send_logits(logits, 0)
         return logits
