@@ -224,9 +224,16 @@ def test_langchain_structured_output_and_a_forced_tool_follow_their_schemas(base
     jsonschema.validate(message.tool_calls[0]["args"], add.model_json_schema())
 
 
-def test_the_readme_agent_runs_as_written(base_url, capsys):
-    readme = (REPO / "README.md").read_text()
-    code = readme.split("an agent runs offline")[1].split("```python\n")[1].split("```")[0]
-    code = code.replace("http://127.0.0.1:8000/v1", base_url).replace('"demo"', repr(MODEL_NAME))
-    exec(compile(code, "README.md", "exec"), {})
+def python_block(doc: str, after: str) -> str:
+    """The first ```python block of a doc after the text `after`."""
+    return (REPO / doc).read_text().split(after)[1].split("```python\n")[1].split("```")[0]
+
+
+@pytest.mark.parametrize("doc, after, served_as", [
+    ("README.md", "an agent runs offline", '"demo"'),
+    ("docs/structured_outputs.md", "Through the openai client,", '"qwen3"'),
+    ("docs/structured_outputs.md", "The same loop through LangChain", '"qwen3"')])
+def test_the_docs_tool_loops_run_as_written(base_url, capsys, doc, after, served_as):
+    code = python_block(doc, after).replace("http://127.0.0.1:8000/v1", base_url).replace(served_as, repr(MODEL_NAME))
+    exec(compile(code, doc, "exec"), {})
     assert capsys.readouterr().out.strip() == "579"
