@@ -277,13 +277,17 @@ class AsyncLLM(AsyncRollout):
     async def abort(self, request_id: Hashable) -> bool:
         """Abort a request and free its KV blocks; True if it was still live. Its stream ends with
         an output whose finish_reason is "abort"."""
+        return await self._ask_engine(self._abort_replies, lambda token: AbortRequest(request_id, token))
+
+    async def _ask_engine(self, replies: dict, command) -> object:
+        """Put command(token) to the engine loop, which answers under that token in `replies`; the answer."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         with self._lock:
             self._check_usable()
             token = next(self._reply_tokens)
-            self._abort_replies[token] = (loop, done)
-        self._commands.put(AbortRequest(request_id, token))
+            replies[token] = (loop, done)
+        self._commands.put(command(token))
         return await done
 
     def abort_all(self) -> None:

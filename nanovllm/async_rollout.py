@@ -7,7 +7,6 @@ Mixed into AsyncLLM.
     await llm.update_weights(policy.state_dict())
     await llm.resume_generation()         # they continue on the new weights
 """
-import asyncio
 from collections.abc import Iterable
 
 from nanovllm.engine_loop import EngineCall
@@ -16,14 +15,7 @@ from nanovllm.engine_loop import EngineCall
 class AsyncRollout:
     async def _engine_call(self, method: str, *args, **kwargs):
         """Run `method` in the engine loop; its result, or its error raised here."""
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        with self._lock:
-            self._check_usable()
-            token = next(self._reply_tokens)
-            self._call_replies[token] = (loop, done)
-        self._commands.put(EngineCall(method, args, kwargs, token))
-        return await done
+        return await self._ask_engine(self._call_replies, lambda token: EngineCall(method, args, kwargs, token))
 
     async def update_weights(self, weights: Iterable, weight_version: int | None = None) -> int:
         """LLMEngine.update_weights: (checkpoint name, tensor) pairs or a dict, loaded in place;
