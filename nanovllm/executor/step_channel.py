@@ -1,7 +1,7 @@
 """How a step reaches a worker process without a pickle: rank 0 writes the step's arrays flat into
 shared memory of that worker's own, and the pipe carries only a small header (flags and array
 shapes; the dtypes are fixed), on which the worker wakes and copies the arrays out. On a CPU
-(docs/benchmarks.md) a step is in the worker's hands 20 us after rank 0 sends it; pickled, 45-65 us.
+(docs/benchmarks.md) a step is in the worker's hands 18-20 us after rank 0 sends it; pickled, 44-63 us.
 
 The memory is a ring of SLOTS slots, and a semaphore counts the free ones: the worker frees a slot
 once it has copied its step out, and rank 0 waits for a free one, watching that the worker lives.
