@@ -108,11 +108,16 @@ def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
+def entries_of(channel: StepChannel) -> set[str]:
+    """The channel's names in /dev/shm: its memory and its semaphore."""
+    return {channel.memory.name, "sem." + channel.free_slots._semlock.name.lstrip("/")}
+
+
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="POSIX shared memory lives in /dev/shm on Linux")
 def test_worker_killed_mid_step_is_a_clear_error_and_stopping_leaves_no_shared_memory():
     before = shm_entries()
     channel = StepChannel.create(CONTEXT, 64)
-    ours = {channel.memory.name, "sem." + channel.free_slots._semlock.name.lstrip("/")}
+    ours = entries_of(channel)
     assert ours <= shm_entries() - before
     conn, child_end = CONTEXT.Pipe()
     process = CONTEXT.Process(target=stuck_worker, args=(child_end, channel), daemon=True)

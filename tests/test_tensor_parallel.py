@@ -15,6 +15,7 @@ from nanovllm import LLM, BeamSearchParams, SamplingParams, StructuredOutputsPar
 from nanovllm.checkpoints.random_checkpoint import write_tiny_model
 from nanovllm.executor.processes import MULTICAST_OFF, WorkerCall
 from tests.conftest import mixed_prompts
+from tests.test_step_channel import entries_of, shm_entries
 
 pytestmark = pytest.mark.skipif(
     (torch.cuda.device_count() if torch.cuda.is_available() else os.cpu_count() or 1) < 2,
@@ -134,16 +135,15 @@ def test_dead_worker_fails_fast_and_shutdown_leaves_no_processes(model_paths):
         llm.generate([[5, 6]], GREEDY, use_tqdm=False)
     llm.shutdown()
     assert not mp.active_children()
-    assert not shared_memory & set(os.listdir("/dev/shm"))
+    assert not shared_memory & shm_entries()
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[5, 6]], GREEDY, use_tqdm=False)
 
 
 def shared_memory_of(llm) -> set[str]:
     """The /dev/shm entries of the channels that carry steps to the workers (step_channel.py)."""
-    channels = [w.channel for w in llm.engine.core.executor.processes]
-    names = {c.memory.name for c in channels} | {"sem." + c.free_slots._semlock.name.lstrip("/") for c in channels}
-    assert names <= set(os.listdir("/dev/shm"))
+    names = set().union(*(entries_of(w.channel) for w in llm.engine.core.executor.processes))
+    assert names <= shm_entries()
     return names
 
 
@@ -156,7 +156,7 @@ def test_second_engine_after_shutdown(model_paths, hf_greedy):
             shared_memory = shared_memory_of(llm)
             assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(path, prompt, 16)
         assert not mp.active_children()
-        assert not shared_memory & set(os.listdir("/dev/shm"))
+        assert not shared_memory & shm_entries()
         for pid in pids:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
