@@ -15,6 +15,7 @@ from nanovllm import LLM, BeamSearchParams, SamplingParams, StructuredOutputsPar
 from nanovllm.checkpoints.random_checkpoint import write_tiny_model
 from nanovllm.executor.processes import MULTICAST_OFF, WorkerCall
 from tests.conftest import mixed_prompts
+from tests.test_step_channel import entries_of, shm_entries
 
 pytestmark = pytest.mark.skipif(
     (torch.cuda.device_count() if torch.cuda.is_available() else os.cpu_count() or 1) < 2,
@@ -123,6 +124,7 @@ def test_kv_head_replicated_when_fewer_kv_heads_than_ranks(tmp_path, hf_greedy):
 def test_dead_worker_fails_fast_and_shutdown_leaves_no_processes(model_paths):
     llm = LLM(model_paths["gqa_tied"], kvcache_block_size=16, tensor_parallel_size=2)
     worker = llm.engine.core.executor.processes[0].process
+    shared_memory = shared_memory_of(llm)
     long_run = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     threading.Timer(1.0, worker.kill).start()          # dies in the middle of generate
     start = time.monotonic()
@@ -133,8 +135,16 @@ def test_dead_worker_fails_fast_and_shutdown_leaves_no_processes(model_paths):
         llm.generate([[5, 6]], GREEDY, use_tqdm=False)
     llm.shutdown()
     assert not mp.active_children()
+    assert not shared_memory & shm_entries()
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[5, 6]], GREEDY, use_tqdm=False)
+
+
+def shared_memory_of(llm) -> set[str]:
+    """The /dev/shm entries of the channels that carry steps to the workers (step_channel.py)."""
+    names = set().union(*(entries_of(w.channel) for w in llm.engine.core.executor.processes))
+    assert names <= shm_entries()
+    return names
 
 
 def test_second_engine_after_shutdown(model_paths, hf_greedy):
@@ -143,8 +153,10 @@ def test_second_engine_after_shutdown(model_paths, hf_greedy):
     for _ in range(2):
         with LLM(path, kvcache_block_size=16, tensor_parallel_size=2) as llm:
             pids = [w.process.pid for w in llm.engine.core.executor.processes]
+            shared_memory = shared_memory_of(llm)
             assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(path, prompt, 16)
         assert not mp.active_children()
+        assert not shared_memory & shm_entries()
         for pid in pids:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)

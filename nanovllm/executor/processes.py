@@ -1,5 +1,6 @@
 """The worker processes of ranks 1..N-1: started by the executor with spawn, fed every step's
-StepInputs through a pipe, watched so that a dead one is an error instead of a hang.
+StepInputs through shared memory and a pipe (step_channel.py), watched so that a dead one is an
+error instead of a hang.
 
 Besides steps, a pipe carries calls (WorkerCall): a method of the rank's Worker to run with its
 arguments, answered with ("ok", result) or ("error", traceback). Rank 0 makes the same call on its
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.core.step import StepInputs
+from nanovllm.executor.step_channel import StepChannel, slot_words
 from nanovllm.worker.worker import Worker
 
 LOADED = "loaded"
@@ -35,10 +37,11 @@ class WorkerCall:
 
 @dataclass
 class WorkerProcess:
-    """Rank 0's handle on a worker process and the pipe that carries its steps."""
+    """Rank 0's handle on a worker process, its pipe and the shared memory that carry its steps."""
     rank: int
     process: mp.Process
     conn: Connection
+    channel: StepChannel
     name: str = ""     # how errors name the rank
 
     def __post_init__(self):
@@ -62,7 +65,7 @@ class WorkerProcess:
 
     def send(self, message: StepInputs | WorkerCall) -> None:
         self.check_alive()
-        self.conn.send(message)
+        self.channel.send(self.conn, message, self.check_alive)
 
     def answer(self) -> tuple[str, object]:
         """("ok", result) of the WorkerCall sent last, or ("error", the rank's traceback)."""
@@ -88,14 +91,16 @@ def start_worker_processes(config: Config, multi_token_len: int | None = None) -
     tp = config.tensor_parallel_size
     for rank in range(1, config.world_size):
         parent_end, child_end = context.Pipe()
-        process = context.Process(target=worker_main, args=(config, rank, init_method, multi_token_len, child_end),
+        channel = StepChannel.create(context, slot_words(config))
+        process = context.Process(target=worker_main,
+                                  args=(config, rank, init_method, multi_token_len, child_end, channel),
                                   name=f"nanovllm-rank{rank}", daemon=True)
         process.start()
         child_end.close()
         stage, tp_rank = divmod(rank, tp)
         name = "" if config.pipeline_parallel_size == 1 else \
             f"worker rank {rank} (pipeline stage {stage}, tensor-parallel rank {tp_rank})"
-        workers.append(WorkerProcess(rank, process, parent_end, name))
+        workers.append(WorkerProcess(rank, process, parent_end, channel, name))
     return init_method, workers
 
 
@@ -112,10 +117,11 @@ def stop_worker_processes(workers: list[WorkerProcess]) -> None:
             worker.process.kill()
             worker.process.join()
         worker.conn.close()
+        worker.channel.unlink()
 
 
 def worker_main(config: Config, rank: int, init_method: str, multi_token_len: int | None,
-                conn: Connection) -> None:
+                conn: Connection, channel: StepChannel) -> None:
     """A worker rank: build the same model shard, then run every step rank 0 sends until told to stop."""
     try:
         worker = Worker(config, rank, init_method, multi_token_len)
@@ -125,7 +131,7 @@ def worker_main(config: Config, rank: int, init_method: str, multi_token_len: in
         conn.send(traceback.format_exc())
         return
     try:
-        while (message := conn.recv()) is not None:
+        while (message := channel.receive(conn)) is not None:
             if isinstance(message, WorkerCall):
                 try:
                     conn.send(("ok", getattr(worker, message.method)(*message.args, **(message.kwargs or {}))))
@@ -136,6 +142,7 @@ def worker_main(config: Config, rank: int, init_method: str, multi_token_len: in
     except EOFError:                      # rank 0's process is gone
         pass
     finally:
+        channel.close()
         worker.close()
         if dist.is_initialized():
             dist.destroy_process_group()
