@@ -280,7 +280,7 @@ class Executor:
             self._stop_processes()
         clean = all(process.exited_cleanly for process in self.processes)
         self.driver.close()
-        if dist.is_initialized():
+        if self.config.world_size > 1 and dist.is_initialized():     # only the group this engine started
             if clean:
                 dist.destroy_process_group()
             else:   # a rank died: do not wait for it (a plain destroy can hang on NCCL)
