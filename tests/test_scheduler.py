@@ -287,8 +287,10 @@ def random_requests(sched: Scheduler, rng: random.Random) -> list[Sequence]:
 def compute_on_fake_device(sched: Scheduler, batch, kv: dict, pending: list[int]) -> tuple[list[Sequence], list[int]]:
     """Write and check the K/V of every token a batch computes, reading a pending token from
     `pending` (the step in flight's tokens); its sampled sequences and their tokens."""
+    def ids_of(seq: Sequence) -> list[int]:
+        return seq.token_ids + [pending[seq.pending_row]] if seq.pending_row is not None else seq.token_ids
+
     size = sched.block_manager.block_size
-    ids_of = lambda seq: seq.token_ids + [pending[seq.pending_row]] if seq.pending_row is not None else seq.token_ids  # noqa: E731
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         end = seq.num_computed_tokens + n
         keys = prefix_keys(ids_of(seq)[:end])

@@ -225,8 +225,9 @@ class Executor:
 
     def discard_in_flight(self) -> None:
         """Forget the steps in flight (a recovery): wait for the logits the last stage still sends
-        rank 0 for them, so that the next step's receive gets its own. If that fails, or the ranks
-        went apart anyway, they start anew (needs_restart); with a rank dead, nothing is waited for."""
+        rank 0 for them, so that every stage has finished them and no receive is left half done. If
+        that fails, or the ranks went apart anyway, they start anew (needs_restart); with a rank
+        dead (an error that names it was raised), nothing is waited for."""
         pending, self.incoming = self.incoming, deque()
         if not pending or self.needs_restart:
             return
@@ -261,9 +262,9 @@ class Executor:
     @contextlib.contextmanager
     def _step_everywhere(self, inputs: StepInputs | None = None):
         """Send a step to the worker processes (None: continue one they have, or under pipeline
-        stages receive its logits) and run rank 0's share in the block. A Ctrl-C waits until the block ends (the ranks must meet in every
-        collective); any other failure once the processes have the step leaves the ranks apart, so
-        the engine must start them anew (needs_restart)."""
+        stages receive its logits) and run rank 0's share in the block. A Ctrl-C waits until the
+        block ends (the ranks must meet in every collective); any other failure once the processes
+        have the step leaves the ranks apart, so the engine must start them anew (needs_restart)."""
         if not self.processes:
             yield
             return
