@@ -24,7 +24,8 @@ GRAMMAR = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"
 # seeded sampling draws the same tokens from the same logits, whatever the batch
 MIXED = [SamplingParams(temperature=1.3, seed=2, n=2, max_tokens=12, ignore_eos=True),
          SamplingParams(temperature=0.9, seed=3, max_tokens=12, structured_outputs=GRAMMAR),
-         SamplingParams(temperature=0.8, seed=4, max_tokens=12, ignore_eos=True, logprobs=2), PARAMS]
+         SamplingParams(temperature=0.8, seed=4, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=2),
+         PARAMS]
 BEAMS = BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True)
 # chunked prefill (32 tokens a step), a pool of 8 blocks, enough for one sequence of max_model_len
 # but not for all at once (preemption)
@@ -82,7 +83,8 @@ def generate_with_an_abort(llm: LLM) -> list[list[int]]:
 
 def run_workload(llm: LLM) -> dict:
     """On one engine: two identical greedy generate calls (the second hits the prefix cache), mixed
-    requests (n = 2, a grammar, logprobs), a beam search, and requests stepped with one aborted.
+    requests (n = 2, a grammar, logprobs, prompt logprobs of a chunked prompt), a beam search, and
+    requests stepped with one aborted.
     Their tokens (and greedy logprobs), the preemptions, and the most steps ever in flight."""
     in_flight = watch_in_flight(llm)
     greedy = [llm.generate(prompts(), PARAMS, use_tqdm=False) for _ in range(2)]
@@ -91,6 +93,7 @@ def run_workload(llm: LLM) -> dict:
     beams = llm.beam_search(prompts()[1:3], BEAMS)
     return dict(greedy=[[(o["token_ids"], o["logprobs"]) for o in run] for run in greedy],
                 mixed=[[c["token_ids"] for c in o["outputs"]] for o in mixed],
+                prompt_logprobs=mixed[2]["prompt_logprobs"],
                 beams=[[b["token_ids"] for b in o["sequences"]] for o in beams],
                 aborted=generate_with_an_abort(llm),
                 preemptions=llm.engine.core.scheduler.num_preemptions, max_in_flight=max(in_flight))
@@ -110,6 +113,8 @@ def assert_same_workload(got: dict, expected: dict, tolerance: float) -> None:
         assert_same(got["greedy"][run], expected["greedy"][run], tolerance)
     for key in ("mixed", "beams", "aborted"):
         assert got[key] == expected[key], key
+    assert got["prompt_logprobs"][0] is None and len(got["prompt_logprobs"]) == len(prompts()[2])
+    assert_same([([], got["prompt_logprobs"][1:])], [([], expected["prompt_logprobs"][1:])], tolerance)
     assert expected["preemptions"] > 0 and got["preemptions"] > 0
 
 
