@@ -62,8 +62,8 @@ def test_chunked_prefill_keeps_tokens(model_path, hf_greedy):
     steps = []
     schedule = llm.engine.core.scheduler.schedule
 
-    def recording_schedule():
-        batch = schedule()
+    def recording_schedule(*args):
+        batch = schedule(*args)
         steps.append((batch.is_prefill, list(zip([s.seq_id for s in batch.seqs], batch.num_new_tokens))))
         return batch
 
@@ -123,7 +123,7 @@ def test_next_step_is_launched_before_the_tokens_of_the_last_arrive(model_paths,
     for p in prompts:
         llm.engine.add_request(p, GREEDY)
     llm.engine.step()                                              # prefill: launched, not collected
-    assert llm.engine.core.in_flight is not None
+    assert llm.engine.core.in_flight
     assert all(seq.pending_row is not None and seq.num_tokens == len(seq.token_ids) + 1 == seq.num_prompt_tokens + 1
                for seq in llm.engine.core.scheduler.running)
     llm.engine.step()                                              # decode launched from those pending rows

@@ -193,7 +193,7 @@ def test_abort_frees_blocks_at_once_also_in_flight(llm, hf_greedy):
     ids = [llm.engine.add_request(p, GREEDY) for p in PROMPTS[:3]]
     llm.engine.step()                                          # prefill launched, tokens still pending
     llm.engine.step()                                          # a decode step in flight
-    assert llm.engine.core.in_flight is not None and ids[1] in {s.request_id for s in llm.engine.core.in_flight.seqs}
+    assert ids[1] in {s.request_id for step in llm.engine.core.in_flight for s in step.seqs}
     held = len(llm.engine.core.requests[ids[1]].block_table)
     used = llm.engine.core.scheduler.block_manager.num_used_blocks
     assert llm.engine.abort(ids[1]) and not llm.engine.abort(ids[1])

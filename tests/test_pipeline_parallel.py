@@ -1,6 +1,7 @@
 """Pipeline parallelism over CPU processes (gloo): the same tokens and logprobs as one stage (and as
-a plain transformers loop), an uneven split, stages of two tensor-parallel ranks each, bad sizes,
-a dead stage, and shutdown."""
+a plain transformers loop) with several batches in flight, under chunked prefill, preemption, prefix
+hits, n > 1, a grammar, beams and an abort; an uneven split, stages of two tensor-parallel ranks
+each, recovery with steps in flight, bad sizes, a dead stage, and shutdown."""
 import multiprocessing as mp
 import os
 import time
@@ -8,16 +9,24 @@ import time
 import pytest
 import torch
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from nanovllm.checkpoints.random_checkpoint import write_tiny_model
 from nanovllm.config import Config
 from nanovllm.layers.parallel_state import stage_layers
 from tests.conftest import mixed_prompts
+from tests.test_interrupts import Injected, assert_consistent, fail_on_call, generate_until_ctrl_c, restore
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() or (os.cpu_count() or 1) < 2,
                                 reason="gloo stages on a CPU with 2+ cores")
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+GRAMMAR = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+# seeded sampling draws the same tokens from the same logits, whatever the batch
+MIXED = [SamplingParams(temperature=1.3, seed=2, n=2, max_tokens=12, ignore_eos=True),
+         SamplingParams(temperature=0.9, seed=3, max_tokens=12, structured_outputs=GRAMMAR),
+         SamplingParams(temperature=0.8, seed=4, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=2),
+         PARAMS]
+BEAMS = BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True)
 # chunked prefill (32 tokens a step), a pool of 8 blocks, enough for one sequence of max_model_len
 # but not for all at once (preemption)
 TIGHT = dict(kvcache_block_size=16, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8,
@@ -40,13 +49,54 @@ def prompts() -> list[list[int]]:
     return mixed_prompts(500, lengths=(1, 17, 70, 5, 33)) + [shared + [7, 8], shared + [9] * 20]
 
 
-def generate_twice(path: str, **engine_args) -> tuple[list, int]:
-    """Outputs of two identical generate calls (the second hits the prefix cache), and the preemptions."""
-    with LLM(path, **TIGHT, **engine_args) as llm:
-        outputs = [llm.generate(prompts(), PARAMS, use_tqdm=False) for _ in range(2)]
-        preemptions = llm.engine.core.scheduler.num_preemptions
-    assert all(run[-1]["num_cached_tokens"] >= 32 for run in outputs)     # the shared prefix's blocks
-    return [[(o["token_ids"], o["logprobs"]) for o in run] for run in outputs], preemptions
+def watch_in_flight(llm: LLM) -> list[int]:
+    """How many steps are in flight each time the core schedules one (checking that no sequence is in
+    two of them), appended to the list returned."""
+    core, counts = llm.engine.core, []
+    schedule = core.scheduler.schedule
+
+    def watched(busy=frozenset()):
+        scheduled = [id(seq) for step in core.in_flight for seq in step.scheduled]
+        assert len(scheduled) == len(set(scheduled))
+        counts.append(len(core.in_flight))
+        return schedule(busy)
+    core.scheduler.schedule = watched
+    return counts
+
+
+def generate_with_an_abort(llm: LLM) -> list[list[int]]:
+    """Requests added one by one and stepped; the second is aborted once it is in a step in flight
+    and the queue of steps is full. The token ids of the others."""
+    engine, core = llm.engine, llm.engine.core
+    ids = [engine.add_request(p, PARAMS) for p in prompts()[:5]]
+    outputs, aborted = {}, False
+    while not engine.is_finished():
+        outputs.update((out["request_id"], out) for out in engine.step())
+        in_flight = {seq.request_id for step in core.in_flight for seq in step.scheduled}
+        if not aborted and ids[1] in in_flight and len(core.in_flight) == core.max_in_flight:
+            aborted = engine.abort(ids[1])
+            assert_consistent(llm)
+    assert aborted and sorted(outputs) == sorted(ids[:1] + ids[2:])
+    assert core.scheduler.block_manager.num_used_blocks == 0
+    return [outputs[i]["token_ids"] for i in ids[:1] + ids[2:]]
+
+
+def run_workload(llm: LLM) -> dict:
+    """On one engine: two identical greedy generate calls (the second hits the prefix cache), mixed
+    requests (n = 2, a grammar, logprobs, prompt logprobs of a chunked prompt), a beam search, and
+    requests stepped with one aborted.
+    Their tokens (and greedy logprobs), the preemptions, and the most steps ever in flight."""
+    in_flight = watch_in_flight(llm)
+    greedy = [llm.generate(prompts(), PARAMS, use_tqdm=False) for _ in range(2)]
+    assert all(run[-1]["num_cached_tokens"] >= 32 for run in greedy)     # the shared prefix's blocks
+    mixed = llm.generate(prompts()[:4], MIXED, use_tqdm=False)
+    beams = llm.beam_search(prompts()[1:3], BEAMS)
+    return dict(greedy=[[(o["token_ids"], o["logprobs"]) for o in run] for run in greedy],
+                mixed=[[c["token_ids"] for c in o["outputs"]] for o in mixed],
+                prompt_logprobs=mixed[2]["prompt_logprobs"],
+                beams=[[b["token_ids"] for b in o["sequences"]] for o in beams],
+                aborted=generate_with_an_abort(llm),
+                preemptions=llm.engine.core.scheduler.num_preemptions, max_in_flight=max(in_flight))
 
 
 def assert_same(got, expected, tolerance: float) -> None:
@@ -55,6 +105,17 @@ def assert_same(got, expected, tolerance: float) -> None:
         for entry, want in zip(logprobs, want_logprobs, strict=True):
             assert entry.keys() == want.keys()
             assert list(entry.values()) == pytest.approx(list(want.values()), abs=tolerance)
+
+
+def assert_same_workload(got: dict, expected: dict, tolerance: float) -> None:
+    """The same tokens; logprobs to float32 rounding (threads, batches and sums differ)."""
+    for run in range(2):
+        assert_same(got["greedy"][run], expected["greedy"][run], tolerance)
+    for key in ("mixed", "beams", "aborted"):
+        assert got[key] == expected[key], key
+    assert got["prompt_logprobs"][0] is None and len(got["prompt_logprobs"]) == len(prompts()[2])
+    assert_same([([], got["prompt_logprobs"][1:])], [([], expected["prompt_logprobs"][1:])], tolerance)
+    assert expected["preemptions"] > 0 and got["preemptions"] > 0
 
 
 @pytest.fixture
@@ -66,7 +127,8 @@ def oversubscribe(monkeypatch):
 
 @pytest.fixture(scope="module")
 def one_stage(four_layers):
-    return generate_twice(four_layers)
+    with LLM(four_layers, **TIGHT) as llm:
+        return run_workload(llm)
 
 
 def test_layer_split():
@@ -75,43 +137,87 @@ def test_layer_split():
     assert [stage_layers(6, s, 4) for s in range(4)] == [(0, 1), (1, 3), (3, 5), (5, 6)]
 
 
-def test_two_stages_match_one(four_layers, one_stage, hf_greedy):
-    (expected, preemptions) = one_stage
-    got, pp_preemptions = generate_twice(four_layers, pipeline_parallel_size=2)
-    assert preemptions > 0 and pp_preemptions > 0
-    for run in range(2):   # the same tokens; logprobs to float32 rounding (threads and batches differ)
-        assert_same(got[run], expected[run], 1e-4)
-    for prompt, (tokens, _) in list(zip(prompts(), expected[0]))[:3]:     # and one stage is right
+def test_two_stages_match_one_and_recover(one_stage, four_layers, hf_greedy):
+    with LLM(four_layers, **TIGHT, pipeline_parallel_size=2) as llm:
+        got = run_workload(llm)
+        assert one_stage["max_in_flight"] == 1 and got["max_in_flight"] == 2     # one step per stage
+        assert_same_workload(got, one_stage, 1e-4)
+        assert_recovers_with_steps_in_flight(llm, [tokens for tokens, _ in one_stage["greedy"][0]])
+    for prompt, (tokens, _) in list(zip(prompts(), one_stage["greedy"][0]))[:3]:     # and one stage is right
         assert tokens == hf_greedy(four_layers, prompt, PARAMS.max_tokens)
 
 
+def assert_recovers_with_steps_in_flight(llm: LLM, expected: list[list[int]]) -> None:
+    """Ctrl-C between steps with both stages busy: the steps in flight are dropped and the ranks stay
+    in step (no restart); an error in rank 0's stage after the others got the step: they start anew;
+    a real SIGINT wherever it lands. Each time the engine ends consistent and right."""
+    core = llm.engine.core
+
+    def generate_correctly():
+        assert_consistent(llm)
+        assert llm.engine.is_finished() and core.scheduler.block_manager.num_used_blocks == 0
+        assert [o["token_ids"] for o in llm.generate(prompts(), PARAMS, use_tqdm=False)] == expected
+
+    schedule, executor = core.scheduler.schedule, core.executor
+
+    def ctrl_c_with_both_stages_busy(busy=frozenset()):
+        if len(core.in_flight) == 2:
+            core.scheduler.schedule = schedule
+            raise KeyboardInterrupt
+        return schedule(busy)
+    core.scheduler.schedule = ctrl_c_with_both_stages_busy
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts(), PARAMS, use_tqdm=False)
+    assert core.executor is executor and not executor.incoming
+    generate_correctly()
+
+    pids = [process.process.pid for process in executor.processes]
+    fail_on_call(executor.driver, "execute", 6, Injected)
+    try:
+        with pytest.raises(Injected):
+            llm.generate(prompts(), PARAMS, use_tqdm=False)
+    finally:
+        restore(executor.driver, "execute")
+    assert core.executor is not executor
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    generate_correctly()
+
+    generate_until_ctrl_c(llm, prompts(), PARAMS, 0.3)
+    generate_correctly()
+
+
 def test_three_stages_uneven_split_and_a_dead_stage(five_layers_untied, hf_greedy, oversubscribe):
-    short = prompts()[:4]
-    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    llm = LLM(five_layers_untied, kvcache_block_size=16, max_model_len=256, pipeline_parallel_size=3)
+    with LLM(five_layers_untied, **TIGHT) as llm:
+        expected = run_workload(llm)
+    llm = LLM(five_layers_untied, **TIGHT, pipeline_parallel_size=3)
     executor = llm.engine.core.executor
     assert (executor.driver.model.start_layer, len(executor.driver.attention_layers)) == (0, 2)
     assert executor.driver.kv_cache.tensor.shape[1] == 2       # the pool holds this stage's layers only
-    out = llm.generate(short, greedy, use_tqdm=False)
-    assert [o["token_ids"] for o in out] == [hf_greedy(five_layers_untied, p, 8) for p in short]
+    got = run_workload(llm)
+    assert got["max_in_flight"] == 3
+    assert_same_workload(got, expected, 1e-4)
+    for prompt, (tokens, _) in list(zip(prompts(), expected["greedy"][0]))[:2]:
+        assert tokens == hf_greedy(five_layers_untied, prompt, PARAMS.max_tokens)
 
     # rank 1, the middle stage, dies in the middle of a generate: after the step's inputs went out and
     # while rank 0 runs its own share, so rank 0 meets the death inside the step's send/recv
     stage, execute, calls = executor.processes[0].process, executor.driver.execute, []
 
-    def execute_after_killing_the_middle_stage(inputs):
+    def execute_after_killing_the_middle_stage(inputs, **kwargs):
         calls.append(inputs)
         if len(calls) == 20:
             stage.kill()
             stage.join()
-        return execute(inputs)
+        return execute(inputs, **kwargs)
 
     executor.driver.execute = execute_after_killing_the_middle_stage
     pids = [p.process.pid for p in executor.processes]
     try:
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=r"worker rank 1 \(pipeline stage 1, tensor-parallel rank 0\) died"):
-            llm.generate([[5] * 50] * 8, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+            llm.generate([[5] * 50] * 8, SamplingParams(temperature=0, max_tokens=70, ignore_eos=True),
                          use_tqdm=False)
         assert len(calls) >= 20 and time.monotonic() - start < 60     # the process group would wait 10 minutes
     finally:
@@ -123,10 +229,10 @@ def test_three_stages_uneven_split_and_a_dead_stage(five_layers_untied, hf_greed
 
 
 def test_two_stages_of_two_tensor_parallel_ranks(four_layers, one_stage, oversubscribe):
-    got, _ = generate_twice(four_layers, tensor_parallel_size=2, pipeline_parallel_size=2)
-    expected, _ = one_stage
-    for run in range(2):    # tensor parallelism sums in another order: logprobs agree to rounding
-        assert_same(got[run], expected[run], 2e-4)
+    with LLM(four_layers, **TIGHT, tensor_parallel_size=2, pipeline_parallel_size=2) as llm:
+        got = run_workload(llm)
+    assert got["max_in_flight"] == 2
+    assert_same_workload(got, one_stage, 2e-4)    # tensor parallelism sums in another order
     assert not mp.active_children()
 
 

@@ -7,6 +7,7 @@ So wrong block sharing, a lost block or a bad recompute after preemption fails l
 request's output must equal a plain loop over that function.
 """
 import random
+from collections import deque
 from types import SimpleNamespace
 
 from nanovllm.core.block_manager import BlockManager
@@ -18,10 +19,11 @@ EOS = 1
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
-                   max_model_len=256, eos_token_ids=(EOS,), scheduling_policy="fcfs") -> Scheduler:
+                   max_model_len=256, eos_token_ids=(EOS,), scheduling_policy="fcfs",
+                   pipeline_parallel_size=1) -> Scheduler:
     config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len, eos_token_ids=eos_token_ids,
-                             scheduling_policy=scheduling_policy)
+                             scheduling_policy=scheduling_policy, pipeline_parallel_size=pipeline_parallel_size)
     return Scheduler(config, BlockManager(num_blocks, block_size))
 
 
@@ -266,69 +268,113 @@ def test_block_pool_is_released_when_all_requests_finish():
     assert all(block.ref_count == 0 for block in sched.block_manager.blocks)
 
 
+def eos_sometimes(ids: list[int]) -> int:
+    """A 'model' that ends a sequence about one time in twelve."""
+    h = hash(tuple(ids)) % 96
+    return EOS if h < 8 else 3 + h
+
+
+def random_requests(sched: Scheduler, rng: random.Random) -> list[Sequence]:
+    """30 requests of 1 to 29 prompt tokens, some sharing a 9-token prefix, added to sched."""
+    prefixes = [[], [rng.randrange(3, 100) for _ in range(9)]]
+    seqs = [request(rng.choice(prefixes) + [rng.randrange(3, 100) for _ in range(rng.randint(1, 20))],
+                    max_tokens=rng.randint(1, 25)) for _ in range(30)]
+    for seq in seqs:
+        sched.add(seq)
+    return seqs
+
+
+def compute_on_fake_device(sched: Scheduler, batch, kv: dict, pending: list[int]) -> tuple[list[Sequence], list[int]]:
+    """Write and check the K/V of every token a batch computes, reading a pending token from
+    `pending` (the step in flight's tokens); its sampled sequences and their tokens."""
+    def ids_of(seq: Sequence) -> list[int]:
+        return seq.token_ids + [pending[seq.pending_row]] if seq.pending_row is not None else seq.token_ids
+
+    size = sched.block_manager.block_size
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        end = seq.num_computed_tokens + n
+        keys = prefix_keys(ids_of(seq)[:end])
+        for pos in range(end):
+            slot = (seq.block_table[pos // size], pos % size)
+            if pos >= seq.num_computed_tokens:
+                kv[slot] = keys[pos]
+            else:
+                assert kv.get(slot) == keys[pos], f"seq {seq.seq_id} reads a wrong K/V at {pos}"
+    sampled = batch.sampled_seqs()
+    # a sequence whose pending token is its last is not run again just to be thrown away
+    assert all(s.num_completion_tokens < s.sampling_params.max_tokens and s.num_tokens < sched.max_model_len
+               for s in sampled)
+    return sampled, [eos_sometimes(ids_of(s)) for s in sampled]
+
+
+def assert_plain_loop_outputs(sched: Scheduler, seqs: list[Sequence]) -> None:
+    """Every request ended with eos_sometimes' output, preemptions and prefix hits happened, and the
+    pool is released."""
+    for seq in seqs:
+        ids = seq.token_ids[:seq.num_prompt_tokens]
+        limit = min(seq.sampling_params.max_tokens, sched.max_model_len - len(ids))
+        expected = []
+        while len(expected) < limit and EOS not in expected:
+            expected.append(eos_sometimes(ids + expected))
+        assert seq.completion_token_ids == expected
+        assert seq.finish_reason == ("stop" if expected[-1] == EOS else "length")
+    assert sched.num_preemptions > 0 and any(s.num_cached_tokens for s in seqs)
+    assert sum(s.finish_reason == "stop" for s in seqs) >= 3
+    assert sched.block_manager.num_used_blocks == 0
+
+
 def test_overlapped_steps_match_the_plain_loop():
     """The engine's overlapped order: step N+1 is scheduled and computed, reading step N's tokens
     'on the device' through the pending rows, before N's tokens are filled in. With EOS
     stops (so a finished sequence's next step is already queued), preemption of sequences whose
     token is pending, chunking and prefix hits, every request still ends with the output of a plain
     loop, every K/V read is right, and the pool is released."""
-    rng = random.Random(1)
-    max_model_len = 48
-    sched = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=12,
-                           max_model_len=max_model_len)
-
-    def next_token(ids: list[int]) -> int:            # EOS about one time in twelve
-        h = hash(tuple(ids)) % 96
-        return EOS if h < 8 else 3 + h
-
-    prefixes = [[], [rng.randrange(3, 100) for _ in range(9)]]
-    seqs = [request(rng.choice(prefixes) + [rng.randrange(3, 100) for _ in range(rng.randint(1, 20))],
-                    max_tokens=rng.randint(1, 25)) for _ in range(30)]
-    for seq in seqs:
-        sched.add(seq)
+    sched = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=12, max_model_len=48)
+    seqs = random_requests(sched, random.Random(1))
     kv, in_flight, steps = {}, None, 0                # in_flight: (sampled seqs, their tokens)
-    size = sched.block_manager.block_size
     while not sched.is_finished() or in_flight:
         steps += 1
         assert steps < 5000, "did not finish"
         batch = sched.schedule()
-        launched = None
-        if batch.seqs:
-            pending = in_flight[1] if in_flight else []
-            for seq, n in zip(batch.seqs, batch.num_new_tokens):    # the fake device computes
-                end = seq.num_computed_tokens + n
-                ids = (seq.token_ids + [pending[seq.pending_row]] if seq.pending_row is not None else seq.token_ids)[:end]
-                keys = prefix_keys(ids)
-                for pos in range(end):
-                    slot = (seq.block_table[pos // size], pos % size)
-                    if pos >= seq.num_computed_tokens:
-                        kv[slot] = keys[pos]
-                    else:
-                        assert kv.get(slot) == keys[pos], f"seq {seq.seq_id} reads a wrong K/V at {pos}"
-            sampled = batch.sampled_seqs()
-            # a sequence whose pending token is its last is not run again just to be thrown away
-            assert all(s.num_completion_tokens < s.sampling_params.max_tokens and s.num_tokens < max_model_len
-                       for s in sampled)
-            launched = (sampled, [next_token(s.token_ids + [pending[s.pending_row]] if s.pending_row is not None
-                                             else s.token_ids) for s in sampled])
+        launched = compute_on_fake_device(sched, batch, kv, in_flight[1] if in_flight else []) if batch.seqs else None
         if in_flight:
             sched.fill(*in_flight)
         in_flight = None
         if launched:
             sched.advance(batch)
             in_flight = launched
+    assert_plain_loop_outputs(sched, seqs)
 
-    for seq in seqs:
-        ids = seq.token_ids[:seq.num_prompt_tokens]
-        limit = min(seq.sampling_params.max_tokens, max_model_len - len(ids))
-        expected = []
-        while len(expected) < limit and EOS not in expected:
-            expected.append(next_token(ids + expected))
-        assert seq.completion_token_ids == expected
-        assert seq.finish_reason == ("stop" if expected[-1] == EOS else "length")
-    assert sched.num_preemptions > 0 and any(s.num_cached_tokens for s in seqs)
-    assert sum(s.finish_reason == "stop" for s in seqs) >= 3
-    assert sched.block_manager.num_used_blocks == 0
+
+def test_pipeline_batches_in_flight_match_the_plain_loop():
+    """The engine's order under two pipeline stages: two batches stay in flight while the next is
+    scheduled, none shares a sequence with another (`busy`), and the oldest is collected once the
+    next is launched or when nothing can be. A batch is computed when launched (the stages run
+    batches in launch order), so it never reads a pending token. A decode batch takes at most a
+    third of the running sequences. With EOS stops, preemption of sequences in flight, chunking and
+    prefix hits, every request ends with a plain loop's output and every K/V read is right."""
+    sched = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=12, max_model_len=48,
+                           pipeline_parallel_size=2)
+    seqs = random_requests(sched, random.Random(2))
+    kv, in_flight, most, steps = {}, deque(), 0, 0    # in_flight: (batch, its sampled seqs, their tokens)
+    while not sched.is_finished() or in_flight:
+        steps += 1
+        assert steps < 5000, "did not finish"
+        busy = {seq for batch, _, _ in in_flight for seq in batch.seqs}
+        num_running = len(sched.running)
+        batch = sched.schedule(busy)
+        assert not busy & set(batch.seqs) and all(seq.pending_row is None for seq in batch.seqs)
+        assert batch.is_prefill or len(batch.seqs) <= -(-num_running // 3)
+        launched = (batch, *compute_on_fake_device(sched, batch, kv, [])) if batch.seqs else None
+        if in_flight and (launched is None or len(in_flight) == 2):
+            _, sampled, tokens = in_flight.popleft()
+            sched.fill(sampled, tokens)
+        if launched:
+            sched.advance(batch)
+            in_flight.append(launched)
+        most = max(most, len(in_flight))
+    assert most == 2
+    assert_plain_loop_outputs(sched, seqs)
 
 
 def prioritized(prompts_and_priorities, **params) -> list[Sequence]:

@@ -80,7 +80,7 @@ def test_scheduler_reserves_slots_for_proposals_and_returns_the_unused():
     from nanovllm.core.scheduler import Scheduler
     from nanovllm.core.sequence import Sequence
     config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, eos_token_ids=(1,),
-                             scheduling_policy="fcfs")
+                             scheduling_policy="fcfs", pipeline_parallel_size=1)
     sched = Scheduler(config, BlockManager(8, 4), num_speculative_tokens=5)
     proposer = FixedProposer([7, 8, 9, 10, 11])
 

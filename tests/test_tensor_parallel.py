@@ -62,7 +62,7 @@ def sampling_paths(llm, monkeypatch) -> dict[str, int]:
     monkeypatch.setattr(driver, "sample_shard", count("shard_steps", driver.sample_shard))
     monkeypatch.setattr(dist, "gather", count("gathers", gather))
     monkeypatch.setattr(core.scheduler, "schedule", count("scheduled_in_flight", core.scheduler.schedule,
-                                                          lambda: core.in_flight is not None))
+                                                          lambda: bool(core.in_flight)))
     return counts
 
 

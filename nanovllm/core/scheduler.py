@@ -21,10 +21,16 @@ once the step's tokens are back, the accepted proposals count as computed and bl
 sequence's end go back to the pool (fill_verified). Proposals need every token on the host, so the
 engine collects each step before scheduling the next while the batch is small enough to speculate.
 The scheduler itself launches nothing.
+
+Under pipeline parallelism (P stages) the engine keeps P batches in flight, one per stage, while it
+schedules the next, and a sequence is in at most one of them: its next step needs the tokens of its
+last. `schedule(busy)` leaves out the sequences of the batches in flight until those are collected,
+and a decode batch takes at most a (P + 1)th of the running sequences, so that every batch in flight
+and the next have some.
 """
 from bisect import insort
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Set
 
 from nanovllm.config import Config
 from nanovllm.core.block_manager import BlockManager
@@ -52,6 +58,9 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens      # speculative decoding: k, or 0
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.prefix_cache_host_hits = 0                            # of those found, in the host tier
+        # pipeline stages: the P decode batches in flight and the next share the running sequences
+        stages = config.pipeline_parallel_size
+        self.num_decode_batches = stages + 1 if stages > 1 else 1
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -59,21 +68,29 @@ class Scheduler:
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
-    def schedule(self) -> ScheduledBatch:
-        batch = self._schedule_prefill()
+    def schedule(self, busy: Set[Sequence] = frozenset()) -> ScheduledBatch:
+        """The next step; `busy`: sequences of the batches in flight under pipeline stages, left out."""
+        batch = self._schedule_prefill(busy)
         if not batch.seqs:
-            batch = self._schedule_decode()
+            batch = self._schedule_decode(busy)
+        if not batch.seqs and self.running and all(seq.num_uncomputed_tokens > 1 and seq not in busy
+                                                   for seq in self.running):
+            # prompts in the middle of chunking, each waiting for blocks the others hold (batches in
+            # flight let new prompts in beside a chunked one), and no step to free any: the newest
+            # gives its blocks back
+            self._preempt(self.running.pop())
+            return self.schedule(busy)
         if batch.seqs:     # the host tier's copies go with the next step that launches
             batch.kv_offloads, batch.kv_loads = self.block_manager.take_block_transfers()
         return batch
 
-    def _schedule_prefill(self) -> ScheduledBatch:
+    def _schedule_prefill(self, busy: Set[Sequence]) -> ScheduledBatch:
         bm = self.block_manager
         batch = ScheduledBatch([], [], is_prefill=True)
         budget = self.max_num_batched_tokens
         for seq in self.running:                       # a prompt in the middle of chunking
             remaining = seq.prefill_target - seq.num_computed_tokens
-            if seq.num_uncomputed_tokens > 1 and remaining > 0 and budget > 0:
+            if seq.num_uncomputed_tokens > 1 and remaining > 0 and budget > 0 and seq not in busy:
                 n = min(remaining, budget)
                 if bm.can_allocate(seq, seq.num_computed_tokens + n):
                     bm.allocate(seq, seq.num_computed_tokens + n)
@@ -83,8 +100,9 @@ class Scheduler:
         for seq in sorted(self.waiting, key=priority_key) if self.by_priority else list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if seq.beam_candidates is not None:
-                continue                               # a beam parked until its siblings have proposed
+            if seq.beam_candidates is not None or seq in busy:
+                continue                               # a beam parked until its siblings have proposed,
+                                                       # or preempted while its last token is in flight
             # prompt logprobs need the logits of every prompt position: recompute, as vLLM does
             cached_prefix = [] if seq.needs_prompt_logprobs else bm.find_cached_prefix(seq)
             num_cached = len(cached_prefix) * bm.block_size
@@ -137,14 +155,15 @@ class Scheduler:
             self.fork(seq)
         seq.num_forks_due = 0
 
-    def _schedule_decode(self) -> ScheduledBatch:
+    def _schedule_decode(self, busy: Set[Sequence]) -> ScheduledBatch:
         bm = self.block_manager
         batch = ScheduledBatch([], [], is_prefill=False)
+        limit = min(self.max_num_seqs, -(-len(self.running) // self.num_decode_batches))
         i = 0
-        while i < len(self.running) and len(batch.seqs) < self.max_num_seqs:
+        while i < len(self.running) and len(batch.seqs) < limit:
             seq = self.running[i]
-            if seq.num_uncomputed_tokens != 1 or self._reached_length(seq):
-                i += 1      # a chunked prompt waiting for blocks, a beam waiting for its siblings, or done
+            if seq.num_uncomputed_tokens != 1 or self._reached_length(seq) or seq in busy:
+                i += 1      # a chunked prompt waiting for blocks, a beam waiting for its siblings, done, or in flight
                 continue
             position = seq.num_computed_tokens
             # a new block once every block_size tokens, and a copy of the last one if it is shared

@@ -1,15 +1,19 @@
 """The engine core: schedule a step, launch it, collect the step before it, recover from anything.
 
 The host prepares step N+1 while the device runs step N, whose tokens it collects after (the
-overlap), also under tensor parallelism; a step that speculates, samples beams or runs in pipeline
-stages is collected before the next is scheduled. Sequences are the core's currency: it never sees text (stop strings are the
-output processor's, asked through `finds_stop`) and never builds an output; it lists the requests
-that finished (`finished`), and the engine above turns them into outputs.
+overlap), also under tensor parallelism; a step that speculates or samples beams is collected
+before the next is scheduled. Under pipeline parallelism (P stages) P steps stay in flight, one per
+stage, while the host prepares the next, each of sequences in no other (Scheduler.schedule's
+`busy`): the oldest is collected once the next is launched, or when nothing else can be scheduled.
+Sequences are the core's currency: it never sees text (stop strings are the output processor's,
+asked through `finds_stop`) and never builds an output; it lists the requests that finished
+(`finished`), and the engine above turns them into outputs.
 
 Whatever is raised inside a step (an error, or Ctrl-C while the host waits for the device), `recover`
 drops the steps in flight and takes every live sequence back to the queue, to be recomputed
 (Scheduler.reset): one recovery for every point of the loop.
 """
+from collections import deque
 from collections.abc import Callable, Hashable
 
 from nanovllm.config import Config
@@ -34,11 +38,14 @@ class EngineCore:
         self.executor = Executor(config)
         self.scheduler = Scheduler(config, self._new_block_manager(),
                                    0 if spec is None else spec.num_speculative_tokens)
-        # Tensor-parallel ranks all hold the sampled ids on their device (Worker.run); pipeline stages
-        # need every step's token ids on the host first, and a pooling request ends with its prefill
-        # and must finish before the next step is scheduled: no overlap for either.
-        self.overlap = config.pipeline_parallel_size == 1 and config.runner == "generate"
-        self.in_flight: LaunchedStep | None = None
+        # Tensor-parallel ranks all hold the sampled ids on their device (Worker.run). A pooling
+        # request ends with its prefill and must finish before the next step is scheduled: no overlap.
+        self.overlap = config.runner == "generate"
+        # Steps left in flight while the host prepares the next: one, or one per pipeline stage; the
+        # stages' batches never share a sequence (the next step of one needs its tokens on the host).
+        self.max_in_flight = config.pipeline_parallel_size
+        self.pipelined = config.pipeline_parallel_size > 1
+        self.in_flight: deque[LaunchedStep] = deque()     # oldest first
         self.requests: dict[Hashable, Sequence] = {}   # first sequence of each live or unreturned request
         self.finished: list[Hashable] = []             # requests done since the engine last looked
         self.num_prefill_tokens = self.num_decode_tokens = 0   # of the last step, for the progress bar
@@ -49,7 +56,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.close()
-        self.in_flight = None
+        self.in_flight.clear()
         if self.proposer is not None:
             self.proposer.close()
 
@@ -70,8 +77,8 @@ class EngineCore:
         for seq in first.group:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
-        if self.in_flight is not None and all(s.is_finished for s in self.in_flight.observed_seqs):
-            self.in_flight = None     # no token of it is wanted; the device finishes it unobserved
+        # a step none of whose tokens is wanted is dropped: the device finishes it unobserved
+        self.in_flight = deque(step for step in self.in_flight if not all(s.is_finished for s in step.observed_seqs))
         self._free_draft_shadows()
         return first
 
@@ -80,7 +87,7 @@ class EngineCore:
         return self.requests.pop(request_id, None)
 
     def is_finished(self) -> bool:
-        return not self.requests and self.scheduler.is_finished() and self.in_flight is None
+        return not self.requests and self.scheduler.is_finished() and not self.in_flight
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -94,9 +101,9 @@ class EngineCore:
             raise
 
     def drain(self, grammars: StructuredOutputManager | None) -> list[Sequence]:
-        """Collect the step in flight, launching none (before a pause); the sequences that got tokens."""
+        """Collect the steps in flight, launching none (before a pause); the sequences that got tokens."""
         try:
-            return self._collect(grammars) if self.in_flight else []
+            return self._collect_all(grammars)
         except BaseException:
             self.recover()
             raise
@@ -104,8 +111,9 @@ class EngineCore:
     def _step(self, grammars: StructuredOutputManager | None) -> list[Sequence]:
         # proposals are made from every token so far: while speculating, no step overlaps the next
         speculates = self.scheduler.speculates()
-        grown = self._collect(grammars) if speculates and self.in_flight else []
-        batch = self.scheduler.schedule()
+        grown = self._collect_all(grammars) if speculates else []
+        busy = {seq for step in self.in_flight for seq in step.scheduled} if self.pipelined else set()
+        batch = self.scheduler.schedule(busy)
         if batch.seqs and not batch.is_prefill and self.scheduler.speculates():
             self._propose(batch)
         # A constrained sequence's mask depends on the token the step in flight is sampling for it:
@@ -113,16 +121,17 @@ class EngineCore:
         # filled, while the device computes this step's logits. Other batches sample at once.
         constrained = grammars is not None and any(seq.grammar is not None for seq in batch.seqs)
         launched = self.executor.launch(batch, sample=not constrained) if batch.seqs else None
-        grown += self._collect(grammars) if self.in_flight else []    # the step before, done meanwhile
+        if self.in_flight and (launched is None or len(self.in_flight) >= self.max_in_flight):
+            grown += self._collect(grammars)          # the oldest step, done meanwhile
         if launched is not None:
-            if constrained and launched.seqs:
+            if constrained and launched.logits is not None:   # under stages: sampled when collected
                 self.executor.sample(launched, grammars.token_bitmask(launched.seqs))
             self.scheduler.advance(batch)
-            self.in_flight = launched
+            self.in_flight.append(launched)
             # beams are chosen on the host before their next step: no overlap for a step with beams
             if (not self.overlap or speculates or launched.draft_lens is not None
                     or any(seq.beam_search is not None for seq in launched.seqs)):
-                grown += self._collect(grammars)
+                grown += self._collect_all(grammars)
         self.num_prefill_tokens = batch.num_tokens if batch.is_prefill else 0
         self.num_decode_tokens = 0 if batch.is_prefill else batch.num_tokens
         return grown
@@ -139,9 +148,15 @@ class EngineCore:
             proposals[row] = proposal
         self.scheduler.add_drafts(batch, proposals)
 
+    def _collect_all(self, grammars: StructuredOutputManager | None) -> list[Sequence]:
+        grown = []
+        while self.in_flight:
+            grown += self._collect(grammars)
+        return grown
+
     def _collect(self, grammars: StructuredOutputManager | None) -> list[Sequence]:
-        """Wait for the step in flight and put its tokens in place; the sequences that got one."""
-        step, self.in_flight = self.in_flight, None
+        """Wait for the oldest step in flight and put its tokens in place; the sequences that got one."""
+        step = self.in_flight.popleft()
         if step.draft_lens is not None:
             grown = self._collect_verified(step)
         elif step.embeddings is not None:
@@ -152,6 +167,9 @@ class EngineCore:
         return grown
 
     def _collect_sampled(self, step: LaunchedStep, grammars: StructuredOutputManager | None) -> list[Sequence]:
+        if not step.sampled:     # pipeline stages: its logits come now; no other step changed its grammars
+            constrained = grammars is not None and any(seq.grammar is not None for seq in step.seqs)
+            self.executor.sample(step, grammars.token_bitmask(step.seqs) if constrained else None)
         token_ids, logprobs = self.executor.collect(step)
         beams = [row for row, seq in enumerate(step.seqs) if seq.beam_search is not None]
         if beams:
@@ -252,7 +270,8 @@ class EngineCore:
             self.finished.append(request_id)
 
     def recover(self) -> None:
-        self.in_flight = None
+        self.in_flight.clear()
+        self.executor.discard_in_flight()
         self.scheduler.reset()
         if self.proposer is not None:
             self.proposer.reset()

@@ -133,7 +133,7 @@ class EngineRollout:
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level!r}")
         core = self.core
-        if not core.scheduler.is_finished() or core.in_flight is not None:
+        if not core.scheduler.is_finished() or core.in_flight:
             raise RuntimeError("sleep() needs an idle engine: finish or abort the running requests first")
         self.reset_prefix_cache()
         core.executor.collective_rpc("sleep", level)

@@ -8,6 +8,8 @@ every position of each sequence and keeps a prefix of its proposals (sample/reje
 Under tensor parallelism every rank ends a sampled step holding its ids, for the next step to read:
 each samples its vocabulary shard when no row needs every logit (sample/shard_sampler.py), or rank 0
 samples the gathered logits and broadcasts the ids; rank 0 decides which, in the step's inputs.
+Under pipeline stages rank 0 runs the first stage and returns; the last stage's logits come back
+when the step is collected (`sample`), so that rank 0 runs the next steps' first stage meanwhile.
 It holds the host's view of a step (its sequences); workers hold only tensors. It never decides
 what runs; the scheduler does.
 """
@@ -15,7 +17,8 @@ import contextlib
 import os
 import time
 import weakref
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,9 +29,8 @@ from nanovllm.core.sequence import Sequence
 from nanovllm.core.step import ScheduledBatch, ShardSampling, StepInputs
 from nanovllm.executor.processes import (LOADED, MULTICAST_OFF, WorkerCall, WorkerProcess, deferred_keyboard_interrupt,
                                          start_worker_processes, stop_worker_processes)
-from nanovllm.executor.prompt_logprobs import (PromptLogprobRows, attach_prompt_logprobs,
-                                               compute_prompt_logprobs, plan_prompt_logprobs,
-                                               with_prompt_rows)
+from nanovllm.executor.prompt_logprobs import (PromptLogprobRows, attach_prompt_logprobs, plan_prompt_logprobs,
+                                               split_prompt_rows, with_prompt_rows)
 from nanovllm.executor.ray_processes import RayRank, start_ray_workers, stop_ray_workers
 from nanovllm.executor.sampling_inputs import build_sampling_tensors, build_shard_sampling, logprobs_by_row
 from nanovllm.executor.pooling import pool_embeddings
@@ -36,6 +38,7 @@ from nanovllm.executor.step_inputs import build_step_inputs
 from nanovllm.sample.sampler import SamplerOutput, SamplingTensors
 from nanovllm.sample.rejection_sampler import rejection_sample
 from nanovllm.executor.verify_inputs import build_verify_tensors, verify_rows
+from nanovllm.worker.pipeline import IncomingLogits
 from nanovllm.worker.worker import Worker
 
 
@@ -43,13 +46,15 @@ from nanovllm.worker.worker import Worker
 class LaunchedStep:
     """A step queued on the device: the sequences it samples, in row order, and host copies of its
     sampler output that are valid once `done` has passed. Launched without sampling, it holds its
-    logits and sampling tensors until `Executor.sample` (token masks come later)."""
+    logits (or under pipeline stages, their receive) and sampling tensors until `Executor.sample`."""
     seqs: list[Sequence]
+    scheduled: list[Sequence] = field(default_factory=list)   # every sequence it computes, sampled or not
     out: SamplerOutput | None = None
     done: torch.cuda.Event | None = None
     draft_lens: list[int] | None = None          # a verify step: proposals per sequence; out has a
     num_accepted: torch.Tensor | None = None     # row per position, and these were accepted
     logits: torch.Tensor | None = None
+    incoming: IncomingLogits | None = None       # pipeline stages: the last stage's logits, on their way
     sampling: SamplingTensors | None = None
     prompt_logprobs: PromptLogprobRows | None = None    # prompt positions whose logprobs it computes
     embeddings: torch.Tensor | None = None   # runner="pooling": each sequence's embedding, instead of a token
@@ -59,6 +64,12 @@ class LaunchedStep:
         """The sequences waiting for something of this step: those it samples, and those whose
         prompt logprobs it computes."""
         return self.seqs + (self.prompt_logprobs.seqs if self.prompt_logprobs is not None else [])
+
+    @property
+    def sampled(self) -> bool:
+        """Is its sampling queued? Not for a step launched without it, nor under pipeline stages
+        before its logits are in."""
+        return self.logits is None and self.incoming is None
 
 
 class Executor:
@@ -70,6 +81,7 @@ class Executor:
         self.processes: list[WorkerProcess | RayRank] = []
         self.ranks_apart = False      # ranks went out of step (see _step_everywhere)
         self.ids_awaited = False      # the other ranks wait for the ids of a step launched unsampled
+        self.incoming: deque[IncomingLogits] = deque()   # pipeline stages: posted receives, oldest first
         init_method = None
         if config.world_size > 1:     # tensor-parallel ranks and pipeline stages
             os.environ.update(MULTICAST_OFF)
@@ -134,12 +146,14 @@ class Executor:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, sample: bool = True) -> LaunchedStep:
         """Queue one scheduled step (model and, unless `sample` is False, sampling) on the device and
-        return without waiting, so the host can prepare the next step while this one runs."""
+        return without waiting, so the host can prepare the next step while this one runs. Under
+        pipeline stages a step is sampled only once its logits are in (`sample`)."""
         inputs = self.prepare_step(batch)
         prompt_rows = plan_prompt_logprobs(batch, inputs)     # None unless a sequence asks
         if prompt_rows is not None:
-            sampled_rows, inputs.logits_indices = with_prompt_rows(inputs.logits_indices, prompt_rows)
+            inputs.logits_indices = with_prompt_rows(inputs.logits_indices, prompt_rows)
         seqs = batch.sampled_seqs()
+        step = LaunchedStep(seqs, batch.seqs, prompt_logprobs=prompt_rows)
         if self.driver.shares_tokens and seqs and batch.draft_token_ids is None and not self.driver.pooling:
             # every rank gets the sampled ids: sampled on the shards when no row needs every logit
             if sample and prompt_rows is None:
@@ -149,29 +163,31 @@ class Executor:
                 self.ids_awaited = not sample
         with self._step_everywhere(inputs):
             if inputs.shard_sampling is not None:
-                step = LaunchedStep(seqs)
                 self._to_host(step, SamplerOutput(self.driver.run(inputs)))
                 return step
             logits = self.driver.run(inputs)
+            if isinstance(logits, IncomingLogits):     # pipeline stages: the last stage sends them later
+                step.incoming = logits
+                self.incoming.append(logits)
+                step.sampling = self.prepare_sampling(seqs) if seqs else None
+                return step
             if prompt_rows is not None:
-                to_device = self.driver.host_to_device
-                compute_prompt_logprobs(prompt_rows, logits[to_device(prompt_rows.logits_rows)], to_device)
-                logits = logits[to_device(sampled_rows)]
+                logits = split_prompt_rows(prompt_rows, logits, self.driver.host_to_device)
             if not seqs:
-                return LaunchedStep(seqs, prompt_logprobs=prompt_rows)
+                return step
             if self.driver.pooling:     # the rows are the final hidden states of each prompt's last token
-                step = LaunchedStep(seqs, embeddings=pool_embeddings(logits).to("cpu", non_blocking=True))
+                step.embeddings = pool_embeddings(logits).to("cpu", non_blocking=True)
                 step.done = torch.cuda.Event() if self.driver.is_cuda else None
                 if step.done is not None:
                     step.done.record()
                 return step
             if batch.draft_token_ids is not None:     # a verify step samples at once (never constrained)
                 out, num_accepted = self._verify(logits, seqs, batch.draft_token_ids)
-                step = LaunchedStep(seqs, draft_lens=list(map(len, batch.draft_token_ids)))
+                step.draft_lens = list(map(len, batch.draft_token_ids))
                 step.num_accepted = num_accepted.to("cpu", non_blocking=True)
                 self._to_host(step, out)
                 return step
-            step = LaunchedStep(seqs, logits=logits, sampling=self.prepare_sampling(seqs), prompt_logprobs=prompt_rows)
+            step.logits, step.sampling = logits, self.prepare_sampling(seqs)
             if sample:
                 self._sample(step)
             return step
@@ -186,10 +202,46 @@ class Executor:
     @torch.inference_mode()
     def sample(self, step: LaunchedStep, token_bitmask=None) -> None:
         """Queue the sampling of a step launched without it, under the grammars' token bitmask
-        (TokenBitmask) if any; under tensor parallelism this ends the step on every rank."""
+        (TokenBitmask) if any; under tensor parallelism this ends the step on every rank. Under
+        pipeline stages, first wait for its logits from the last stage (and queue its prompt logprobs)."""
         with self._step_everywhere():
-            self._sample(step, token_bitmask)
+            if step.incoming is not None:
+                step.logits = self._receive(step.incoming)
+                step.incoming = None
+                if step.prompt_logprobs is not None:
+                    step.logits = split_prompt_rows(step.prompt_logprobs, step.logits, self.driver.host_to_device)
+            if step.seqs:
+                self._sample(step, token_bitmask)
+            else:                 # a step of prompt logprobs only
+                step.logits = None
             self.ids_awaited = False
+
+    def _receive(self, incoming: IncomingLogits) -> torch.Tensor:
+        """Wait for a step's logits; those of steps before it that nobody collects (dropped when
+        their requests were aborted) come first, and are thrown away."""
+        while (oldest := self.incoming.popleft()) is not incoming:
+            oldest.wait()
+        return incoming.wait()
+
+    def discard_in_flight(self) -> None:
+        """Forget the steps in flight (a recovery): wait for the logits the last stage still sends
+        rank 0 for them, so that every stage has finished them and no receive is left half done. If
+        that fails, or the ranks went apart anyway, they start anew (needs_restart); with a rank
+        dead (an error that names it was raised), nothing is waited for."""
+        pending, self.incoming = self.incoming, deque()
+        if not pending or self.needs_restart:
+            return
+        with deferred_keyboard_interrupt():
+            try:
+                for process in self.processes:
+                    process.check_alive()
+            except RuntimeError:
+                return
+            try:
+                for incoming in pending:
+                    incoming.wait()
+            except Exception:
+                self.ranks_apart = True
 
     def _sample(self, step: LaunchedStep, token_bitmask=None) -> None:
         if token_bitmask is not None:
@@ -209,10 +261,10 @@ class Executor:
 
     @contextlib.contextmanager
     def _step_everywhere(self, inputs: StepInputs | None = None):
-        """Send a step to the worker processes (None: continue the one they have) and run rank 0's
-        share in the block. A Ctrl-C waits until the block ends (the ranks must meet in every
-        collective); any other failure once the processes have the step leaves the ranks apart, so
-        the engine must start them anew (needs_restart)."""
+        """Send a step to the worker processes (None: continue one they have, or under pipeline
+        stages receive its logits) and run rank 0's share in the block. A Ctrl-C waits until the
+        block ends (the ranks must meet in every collective); any other failure once the processes
+        have the step leaves the ranks apart, so the engine must start them anew (needs_restart)."""
         if not self.processes:
             yield
             return

@@ -33,6 +33,7 @@ class PromptLogprobRows:
     targets: np.ndarray            # the prompt token each row scores (the one after its position)
     num_top: int                   # the largest k among the sequences
     logits_rows: np.ndarray | None = None    # where `rows` fall among the step's logits rows
+    sampled_rows: np.ndarray | None = None   # and where the sampled rows fall among them
     chosen: torch.Tensor | None = None       # [rows] logprob of the target
     top_logprobs: torch.Tensor | None = None  # [rows, num_top]
     top_ids: torch.Tensor | None = None
@@ -63,13 +64,21 @@ def plan_prompt_logprobs(batch: ScheduledBatch, inputs: StepInputs) -> PromptLog
                              max(seq.sampling_params.prompt_logprobs for seq in seqs))
 
 
-def with_prompt_rows(logits_indices: np.ndarray, plan: PromptLogprobRows) -> tuple[np.ndarray, np.ndarray]:
+def with_prompt_rows(logits_indices: np.ndarray, plan: PromptLogprobRows) -> np.ndarray:
     """The step's logits rows with the plan's added, in token order (a worker takes every row
-    unselected when their count is the step's token count, so the order must be the tokens'); returns
-    where the sampled rows fall among them, and the rows. Sets where the plan's rows fall."""
+    unselected when their count is the step's token count, so the order must be the tokens'). Sets
+    where the plan's rows and the sampled rows fall among them."""
     rows = np.sort(np.concatenate([logits_indices, plan.rows]))     # disjoint: a prompt's last position
     plan.logits_rows = np.searchsorted(rows, plan.rows)              # is sampled, never scored
-    return np.searchsorted(rows, logits_indices), rows
+    plan.sampled_rows = np.searchsorted(rows, logits_indices)
+    return rows
+
+
+def split_prompt_rows(plan: PromptLogprobRows, logits: torch.Tensor,
+                      to_device: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor:
+    """Queue the prompt logprobs of a step's logits; the rows that remain to be sampled."""
+    compute_prompt_logprobs(plan, logits[to_device(plan.logits_rows)], to_device)
+    return logits[to_device(plan.sampled_rows)]
 
 
 def compute_prompt_logprobs(plan: PromptLogprobRows, logits: torch.Tensor,

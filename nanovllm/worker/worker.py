@@ -9,8 +9,9 @@ two halves so that an executor can check every rank loaded its weights before th
 (sizing the KV pool): `Worker(...)` loads the model, `init_kv_cache()` sizes, allocates and warms up.
 
 Under pipeline parallelism a worker holds one stage's layers (and their KV cache); a step receives
-the previous stage's hidden states and sends its own on (pipeline.py). Decode then runs eagerly:
-no CUDA graphs are captured (the stage's send/recv would have to be in them).
+the previous stage's hidden states and sends its own on (pipeline.py), and each rank runs the steps
+in the order they come, several of them in flight at once. Decode then runs eagerly: no CUDA graphs
+are captured (the stage's send/recv would have to be in them).
 """
 import contextlib
 import math
@@ -34,7 +35,8 @@ from nanovllm.worker.weight_loader import load_model, weight_bytes
 from nanovllm.worker.cuda_graph import StepGraphs
 from nanovllm.worker.kv_cache import KVCache, cpu_budget_bytes
 from nanovllm.worker.kv_offload import HostKVCache
-from nanovllm.worker.pipeline import receive_activations, receive_logits, send_activations, send_logits
+from nanovllm.worker.pipeline import (IncomingLogits, post_logits_receive, receive_activations, send_activations,
+                                      send_logits)
 from nanovllm.worker.rollout import WorkerRollout
 
 
@@ -275,11 +277,12 @@ class Worker(WorkerRollout):
         return self.last_token_ids
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+    def run(self, inputs: StepInputs) -> torch.Tensor | IncomingLogits | None:
         """A step as every rank runs it: the model, then this rank's part of the sampling. With
         `inputs.shard_sampling`, the sampled ids; otherwise what `execute` returns (rank 0 then
-        samples, broadcasting the ids to the others, who wait for them here)."""
-        logits = self.execute(inputs)
+        samples, broadcasting the ids to the others, who wait for them here). On rank 0 of a
+        pipeline, the last stage's logits still on their way (they come with the step's collection)."""
+        logits = self.execute(inputs, logits_later=True)
         if inputs.shard_sampling is not None:
             return self.sample_shard(logits, inputs.shard_sampling)
         if inputs.num_shared_tokens and self.rank != 0:
@@ -288,10 +291,11 @@ class Worker(WorkerRollout):
         return logits
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
+    def execute(self, inputs: StepInputs, logits_later: bool = False) -> torch.Tensor | IncomingLogits | None:
         """Run the model on one step's inputs; logits of the sampled rows (on rank 0, or each rank's
         vocabulary shard for `inputs.shard_sampling`), or under runner="pooling" their final hidden
-        states."""
+        states. `logits_later`: on rank 0 of a pipeline, return once this stage has sent the step
+        on, with the receive of the last stage's logits posted (IncomingLogits), not waited for."""
         if len(inputs.kv_offloads) or len(inputs.kv_loads):    # the prefix cache's host tier
             self.host_kv_cache.transfer(inputs.kv_offloads, inputs.kv_loads)
         if len(inputs.block_copies):    # copy-on-write of blocks shared by forked sequences
@@ -316,7 +320,11 @@ class Worker(WorkerRollout):
             rows = inputs.logits_indices
         if not self.parallel.is_last_stage:
             send_activations(*hidden, self.rank + self.tp_size)
-            return self._logits_from_last_stage(len(rows)) if self.rank == 0 else None
+            if self.rank != 0:
+                return None
+            # after the send: with two stages both go between the same two ranks, which must agree on the order
+            incoming = self._logits_from_last_stage(len(rows))
+            return incoming if logits_later else incoming.wait()
         if len(rows) != len(hidden):
             hidden = hidden[self.host_to_device(rows)]
         if self.pooling:
@@ -326,12 +334,9 @@ class Worker(WorkerRollout):
             send_logits(logits, 0)
         return logits
 
-    def _logits_from_last_stage(self, num_rows: int) -> torch.Tensor:
-        vocab_size, dtype = self.config.model_config.vocab_size, self.config.torch_dtype
-        if not num_rows:
-            return torch.empty(0, vocab_size, dtype=dtype, device=self.device)
-        return receive_logits(num_rows, vocab_size, dtype, self.device,
-                              self.parallel.global_rank(self.parallel.num_stages - 1, 0))
+    def _logits_from_last_stage(self, num_rows: int) -> IncomingLogits:
+        return post_logits_receive(num_rows, self.config.model_config.vocab_size, self.config.torch_dtype,
+                                   self.device, self.parallel.global_rank(self.parallel.num_stages - 1, 0))
 
     def close(self) -> None:
         """Free this rank's device memory (the executor leaves the process group)."""
