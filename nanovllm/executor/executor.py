@@ -9,6 +9,7 @@ It holds the host's view of a step (its sequences); workers hold only tensors. I
 what runs; the scheduler does.
 """
 import os
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -183,13 +184,41 @@ class Executor:
             for process in self.processes:
                 process.send(inputs)
             try:
-                return self.driver.execute(inputs)
+                return self._run_watching_ranks(inputs)
             except BaseException as error:
                 for process in self.processes:   # a collective failing because a rank died says so
                     process.join(timeout=1)
                     process.check_alive()
                 self.needs_restart = True
                 raise error
+
+    def _run_watching_ranks(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Rank 0's share of a step. On the CPU it runs in a thread while this one watches the other
+        ranks: a gloo send to a rank that has just died can miss the closed connection and wait out
+        the process group's timeout (10 minutes; seen about once in 90 kills), so a dead rank is
+        raised from here. On GPUs NCCL queues the work and _wait_for_device watches the ranks."""
+        if self.driver.is_cuda:
+            return self.driver.execute(inputs)
+        outcome = []
+
+        def run():
+            try:
+                outcome.append((True, self.driver.execute(inputs)))
+            except BaseException as error:
+                outcome.append((False, error))
+
+        # a daemon: one stuck in gloo must not keep the interpreter from exiting
+        thread = threading.Thread(target=run, name="nanovllm-rank0-step", daemon=True)
+        thread.start()
+        thread.join(timeout=0.05)
+        while thread.is_alive():
+            for process in self.processes:
+                process.check_alive()
+            thread.join(timeout=0.05)
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
 
     def collect(self, step: LaunchedStep) -> tuple[list[int], list[dict[int, float] | None]]:
         """Wait for a launched step; the token (and logprobs, where asked) of each sampled sequence.
