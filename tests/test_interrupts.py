@@ -96,7 +96,8 @@ def restore(obj, name):
 # Where the loop can be interrupted: (object to patch, attribute, call number, after the call)
 def injection_points(llm):
     runner, sched = llm.engine.core.executor, llm.engine.core.scheduler
-    layer = runner.driver.model.model.layers[-1].mlp
+    model = runner.driver.model.model
+    layer = model.layers[model.end_layer - 1].mlp      # the last layer rank 0 holds (all, without stages)
     return {
         "scheduling": (sched, "schedule", 4, False),
         "launch": (runner, "launch", 3, False),

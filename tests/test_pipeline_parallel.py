@@ -1,7 +1,10 @@
 """Pipeline parallelism over CPU processes (gloo): the same tokens and logprobs as one stage (and as
 a plain transformers loop) with several batches in flight, under chunked prefill, preemption, prefix
 hits, n > 1, a grammar, beams and an abort; an uneven split, stages of two tensor-parallel ranks
-each, recovery with steps in flight, bad sizes, a dead stage, and shutdown."""
+each, recovery with steps in flight, bad sizes, a dead stage, and shutdown. For every model
+family, two stages, three on an uneven split and two stages of two tensor-parallel ranks each
+give one stage's tokens and logprobs under chunked prefill, preemption and prefix hits."""
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -15,6 +18,7 @@ from nanovllm.config import Config
 from nanovllm.layers.parallel_state import stage_layers
 from tests.conftest import mixed_prompts
 from tests.test_interrupts import Injected, assert_consistent, fail_on_call, generate_until_ctrl_c, restore
+from tests.test_models import LLAMA3_SCALING
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() or (os.cpu_count() or 1) < 2,
                                 reason="gloo stages on a CPU with 2+ cores")
@@ -33,9 +37,30 @@ TIGHT = dict(kvcache_block_size=16, max_model_len=128, max_num_batched_tokens=32
              num_kvcache_blocks=8)
 
 
+# Every family the registry runs, four layers each: two stages of 2 + 2, three of 1 + 2 + 1 (uneven).
+# Tied and untied heads (a tied last stage holds its own copy of the embedding), q/k/v biases,
+# llama3 rope scaling with GQA 4 (one KV head per rank under TP=2), and Qwen3-MoE with a dense layer
+# closing the first stage and sparse layers on both sides of the boundary.
+FAMILIES = {
+    "qwen3": dict(seed=4),
+    "qwen3_moe": dict(architecture="Qwen3MoeForCausalLM", seed=8, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, mlp_only_layers=[1], tie_word_embeddings=False),
+    "llama3_tied_gqa4": dict(architecture="LlamaForCausalLM", seed=5, hidden_size=128, num_attention_heads=8,
+                             num_key_value_heads=2, rope_scaling=LLAMA3_SCALING),
+    "qwen2_bias_tied": dict(architecture="Qwen2ForCausalLM", seed=6),
+    "mistral_untied": dict(architecture="MistralForCausalLM", seed=7, tie_word_embeddings=False),
+}
+
+
 @pytest.fixture(scope="module")
-def four_layers(tmp_path_factory) -> str:
-    return write_tiny_model(str(tmp_path_factory.mktemp("pp4")), seed=4, num_hidden_layers=4)
+def family_paths(tmp_path_factory) -> dict[str, str]:
+    return {name: write_tiny_model(str(tmp_path_factory.mktemp(name)), num_hidden_layers=4, **args)
+            for name, args in FAMILIES.items()}
+
+
+@pytest.fixture(scope="module")
+def four_layers(family_paths) -> str:
+    return family_paths["qwen3"]
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +122,13 @@ def run_workload(llm: LLM) -> dict:
                 beams=[[b["token_ids"] for b in o["sequences"]] for o in beams],
                 aborted=generate_with_an_abort(llm),
                 preemptions=llm.engine.core.scheduler.num_preemptions, max_in_flight=max(in_flight))
+def generate_twice(path: str, **engine_args) -> tuple[list, int]:
+    """Outputs of two identical generate calls (the second hits the prefix cache), and the preemptions."""
+    with oversubscribed(engine_args), LLM(path, **TIGHT, **engine_args) as llm:
+        outputs = [llm.generate(prompts(), PARAMS, use_tqdm=False) for _ in range(2)]
+        preemptions = llm.engine.core.scheduler.num_preemptions
+    assert all(run[-1]["num_cached_tokens"] >= 32 for run in outputs)     # the shared prefix's blocks
+    return [[(o["token_ids"], o["logprobs"]) for o in run] for run in outputs], preemptions
 
 
 def assert_same(got, expected, tolerance: float) -> None:
@@ -118,17 +150,27 @@ def assert_same_workload(got: dict, expected: dict, tolerance: float) -> None:
     assert expected["preemptions"] > 0 and got["preemptions"] > 0
 
 
-@pytest.fixture
-def oversubscribe(monkeypatch):
+@contextlib.contextmanager
+def oversubscribed(engine_args: dict):
     """Three or four gloo processes on a machine of two cores are slow but correct: let Config allow
-    them (it counts cores in this process only; the workers get the checked Config)."""
-    monkeypatch.setattr(os, "cpu_count", lambda: max(4, os.sysconf("SC_NPROCESSORS_ONLN")))
+    them (it counts cores in this process only; the workers get the checked Config). Only as many
+    cores as ranks: rank 0 takes cores / ranks threads, and more threads than cores spin."""
+    ranks = engine_args.get("tensor_parallel_size", 1) * engine_args.get("pipeline_parallel_size", 1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "cpu_count", lambda cores=os.sysconf("SC_NPROCESSORS_ONLN"): max(ranks, cores))
+        yield
 
 
 @pytest.fixture(scope="module")
 def one_stage(four_layers):
     with LLM(four_layers, **TIGHT) as llm:
         return run_workload(llm)
+
+
+@pytest.fixture
+def oversubscribe():
+    with oversubscribed(dict(pipeline_parallel_size=4)):
+        yield
 
 
 def test_layer_split():
@@ -145,6 +187,26 @@ def test_two_stages_match_one_and_recover(one_stage, four_layers, hf_greedy):
         assert_recovers_with_steps_in_flight(llm, [tokens for tokens, _ in one_stage["greedy"][0]])
     for prompt, (tokens, _) in list(zip(prompts(), one_stage["greedy"][0]))[:3]:     # and one stage is right
         assert tokens == hf_greedy(four_layers, prompt, PARAMS.max_tokens)
+
+
+# Qwen3 runs the whole workload above; the other families the plain runs
+@pytest.mark.parametrize("family", [name for name in FAMILIES if name != "qwen3"])
+def test_every_family_matches_one_stage(family, family_paths, hf_greedy):
+    """PP=2, PP=3 (uneven) and TP=2 x PP=2 against PP=1 on the same weights, under chunked prefill,
+    preemption and prefix-cache hits: the same tokens, logprobs to float32 rounding (threads,
+    batches and tensor-parallel sums differ)."""
+    path = family_paths[family]
+    expected, preemptions = generate_twice(path)
+    assert preemptions > 0
+    for prompt, (tokens, _) in list(zip(prompts(), expected[0]))[:3]:     # and one stage is right
+        assert tokens == hf_greedy(path, prompt, PARAMS.max_tokens)
+    for sizes in (dict(pipeline_parallel_size=2), dict(pipeline_parallel_size=3),
+                  dict(tensor_parallel_size=2, pipeline_parallel_size=2)):
+        got, pp_preemptions = generate_twice(path, **sizes)
+        assert pp_preemptions > 0, sizes
+        for run in range(2):
+            assert_same(got[run], expected[run], 2e-4)
+        assert not mp.active_children()
 
 
 def assert_recovers_with_steps_in_flight(llm: LLM, expected: list[list[int]]) -> None:
