@@ -119,7 +119,9 @@ def test_stream_events_in_order_and_equal_to_whole(client):
     deltas = [e for e in events if e.type == "response.output_text.delta"]
     assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
                           "response.completed"]
-    assert set(types[4:-4]) == {"response.output_text.delta"} and len(deltas) > 1
+    # the answer is 3 tokens: a reader behind the engine on a busy machine gets them joined in one
+    # delta (engine_loop's documented joining), so the count of deltas is not asserted
+    assert set(types[4:-4]) == {"response.output_text.delta"} and deltas
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in deltas)
     assert text == events[-4].text == whole.output_text and "579" in text
