@@ -220,7 +220,9 @@ def test_answer_streams_in(page, client):
     assert page.replies() == ["579"]
     recorded = page.driver.execute_script("return replyStates")
     states = [s for i, s in enumerate(recorded) if s and (i == 0 or s != recorded[i - 1])]
-    assert len(states) >= 2 and states[-1] == "579", states              # it grew, token by token
+    # three tokens may reach the page joined (engine_loop joins outputs for a reader behind the
+    # engine); the long reply of the Stop test shows the text growing
+    assert states and states[-1] == "579", states
     assert all("579".startswith(state) for state in states), states
     expected, tokens = greedy_reply(client, [{"role": "user", "content": QUESTION}])
     assert expected == "579"
@@ -259,6 +261,9 @@ def test_stop_aborts_the_request_on_the_server(page, servers):
     url = servers["open"][0]
     page.new_chat()
     start_long_reply(page, url)
+    first = page.replies()[-1]
+    page.wait(30).until(lambda _: len(page.replies()[-1]) > len(first))    # it streams in as it is made
+    assert page.replies()[-1].startswith(first)
     page.button("Stop").click()
     page.wait(5).until(lambda _: page.button("Send").is_enabled())
     deadline = time.monotonic() + 5
