@@ -163,6 +163,37 @@ def test_request_finishing_during_generate_is_returned_by_step(llm, hf_greedy):
     assert llm.engine.is_finished() and llm.engine.step() == []
 
 
+def interrupt_each_point_with_ranks(llm, prompts, params, greedy, expected, monkeypatch=None) -> None:
+    """Each point of the loop of an engine of several ranks interrupted in turn (with monkeypatch,
+    the progress bar too, and every generate shows one): a failure in rank 0's forward pass, after
+    the others got the step, starts them anew, nothing else does; each time the engine ends
+    consistent, idle and holding no block, and its next greedy tokens are `expected`."""
+    points = [("scheduling", KeyboardInterrupt), ("forward pass", Injected), ("forward pass", KeyboardInterrupt),
+              ("waiting for tokens", KeyboardInterrupt), ("stop strings", Injected)]
+    if monkeypatch is not None:
+        points.append(("progress bar", KeyboardInterrupt))
+    for point, error in points:
+        ranks = [p.process.pid for p in llm.engine.core.executor.processes]
+        if point == "progress bar":
+            monkeypatch.setattr("nanovllm.llm.tqdm", failing_progress_bar(1, error))
+        else:
+            obj, name, k, after = injection_points(llm)[point]
+            fail_on_call(obj, name, k, error, after)
+        try:
+            with pytest.raises(error):
+                llm.generate(prompts, params, use_tqdm=monkeypatch is not None)
+        finally:
+            if point == "progress bar":
+                monkeypatch.undo()
+            else:
+                restore(obj, name)
+        restarted = ranks != [p.process.pid for p in llm.engine.core.executor.processes]
+        assert restarted == (point == "forward pass"), point
+        assert_consistent(llm)
+        assert llm.engine.is_finished() and llm.engine.core.scheduler.block_manager.num_used_blocks == 0
+        assert [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected, point
+
+
 def generate_until_ctrl_c(llm, prompts, params, delay: float) -> None:
     """Generate again and again until a real SIGINT, sent after delay seconds, lands somewhere.
     Python's own handler is installed for the while: a shell that starts the tests in the

@@ -125,29 +125,13 @@ def test_interrupts_and_ctrl_c_under_two_stages(four_layers):
     """Each point of the loop interrupted: the engine ends consistent and the next call's tokens
     equal one stage's. A failure in rank 0's share of a step, after stage 1 got it, restarts the
     stages (rank 0's own layers fail here); elsewhere the stages keep running."""
-    from tests.test_interrupts import (Injected, assert_consistent, fail_on_call, generate_until_ctrl_c,
-                                       injection_points, restore)
+    from tests.test_interrupts import assert_consistent, generate_until_ctrl_c, interrupt_each_point_with_ranks
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["never appears\x00"])
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with LLM(four_layers, kvcache_block_size=16) as llm:
         expected = [o["token_ids"] for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
     with LLM(four_layers, kvcache_block_size=16, **TWO_STAGES) as llm:
-        for point, error in [("scheduling", KeyboardInterrupt), ("forward pass", Injected),
-                             ("forward pass", KeyboardInterrupt), ("waiting for tokens", KeyboardInterrupt),
-                             ("stop strings", Injected)]:
-            stages = [p.process.pid for p in llm.engine.core.executor.processes]
-            obj, name, k, after = injection_points(llm)[point]
-            fail_on_call(obj, name, k, error, after)
-            try:
-                with pytest.raises(error):
-                    llm.generate(PROMPTS, params, use_tqdm=False)
-            finally:
-                restore(obj, name)
-            restarted = stages != [p.process.pid for p in llm.engine.core.executor.processes]
-            assert restarted == (point == "forward pass"), point
-            assert_consistent(llm)
-            assert llm.engine.is_finished() and llm.engine.core.scheduler.block_manager.num_used_blocks == 0
-            assert [o["token_ids"] for o in llm.generate(PROMPTS, greedy, use_tqdm=False)] == expected, point
+        interrupt_each_point_with_ranks(llm, PROMPTS, params, greedy, expected)
         # a real Ctrl-C, wherever it lands
         generate_until_ctrl_c(llm, PROMPTS * 4, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), 0.3)
         assert_consistent(llm)

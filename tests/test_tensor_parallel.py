@@ -174,35 +174,14 @@ def test_interrupts_on_the_tensor_parallel_path(model_paths, hf_greedy, monkeypa
     """Each point of the loop interrupted under two ranks: afterwards the pool is consistent and
     tokens equal transformers'. A failure in rank 0's forward pass, after the worker got the step,
     restarts the worker; a Ctrl-C there waits for the step to end."""
-    from tests.test_interrupts import (Injected, assert_consistent, fail_on_call, failing_progress_bar,
-                                       generate_until_ctrl_c, injection_points, restore)
+    from tests.test_interrupts import (assert_consistent, fail_on_call, generate_until_ctrl_c,
+                                       interrupt_each_point_with_ranks)
     path = model_paths["gqa_tied"]
     prompts = mixed_prompts(500, lengths=(30, 3, 17), seed=4)
     expected = [hf_greedy(path, p, 16) for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=["never appears\x00"])
     with LLM(path, kvcache_block_size=16, tensor_parallel_size=2) as llm:
-        for point, error in [("scheduling", KeyboardInterrupt), ("forward pass", Injected),
-                             ("forward pass", KeyboardInterrupt), ("waiting for tokens", KeyboardInterrupt),
-                             ("stop strings", Injected), ("progress bar", KeyboardInterrupt)]:
-            workers = [w.process.pid for w in llm.engine.core.executor.processes]
-            if point == "progress bar":
-                monkeypatch.setattr("nanovllm.llm.tqdm", failing_progress_bar(1, error))
-            else:
-                obj, name, k, after = injection_points(llm)[point]
-                fail_on_call(obj, name, k, error, after)
-            try:
-                with pytest.raises(error):
-                    llm.generate(prompts, params)
-            finally:
-                if point == "progress bar":
-                    monkeypatch.undo()
-                else:
-                    restore(obj, name)
-            restarted = workers != [w.process.pid for w in llm.engine.core.executor.processes]
-            assert restarted == (point == "forward pass"), point
-            assert_consistent(llm)
-            assert llm.engine.is_finished() and llm.engine.core.scheduler.block_manager.num_used_blocks == 0
-            assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected, point
+        interrupt_each_point_with_ranks(llm, prompts, params, GREEDY, expected, monkeypatch)
         # a constrained step samples only after the step before is collected: interrupted there, the
         # worker waits for ids rank 0 never sends, so it is started anew
         workers = [w.process.pid for w in llm.engine.core.executor.processes]
