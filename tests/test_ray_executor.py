@@ -1,6 +1,7 @@
 """distributed_executor_backend="ray": ranks 1.. as Ray actors on a local two-node cluster that this
-module starts (ray.cluster_utils.Cluster: a head of 2 CPUs, a second node of 1), judged against the
-"mp" backend's greedy tokens and logprobs on the same tiny model; a killed actor; shutdown; bad values."""
+module starts (ray.cluster_utils.Cluster: two nodes of 2 CPUs each), judged against the "mp"
+backend's, or one stage's, greedy tokens and logprobs on the same tiny model, with the node each rank
+ran on; a killed actor; shutdown; bad values."""
 import contextlib
 import os
 import time
@@ -19,6 +20,9 @@ from nanovllm.executor.processes import MULTICAST_OFF
 from tests.test_tensor_parallel import process_environment, SamplingParams  # noqa: E402
 from nanovllm.checkpoints.random_checkpoint import write_tiny_model  # noqa: E402
 from tests.test_ray import wait_until_gone  # noqa: E402
+from tests.test_pipeline_parallel import assert_same, generate_twice  # noqa: E402
+import nanovllm.executor.executor as executor_module  # noqa: E402
+import nanovllm.executor.ray_processes as ray_processes  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU actors")
 
@@ -38,7 +42,7 @@ def nodes():
     """(head node id, second node id) of a cluster this module starts and this driver joins."""
     assert not ray.is_initialized(), "these tests start their own local Ray cluster"
     cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=2, include_dashboard=False))
-    cluster.add_node(num_cpus=1)
+    cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ray.init(address=cluster.address, log_to_driver=False,
@@ -60,6 +64,22 @@ def one_head_cpu_taken(head: str):
         yield
     finally:
         ray.kill(actor)
+
+
+@contextlib.contextmanager
+def one_rank_placement_recorded():
+    """{rank: node id} of every Ray actor rank the engines started in the block (each actor's answer
+    to where(), asked before it loads)."""
+    placed, start = {}, ray_processes.start_ray_workers
+
+    def start_and_record(*args, **kwargs):
+        init_method, ranks = start(*args, **kwargs)
+        placed.update((r.rank, r.node_id) for r in ranks)
+        return init_method, ranks
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(executor_module, "start_ray_workers", start_and_record)
+        yield placed
 
 
 def outputs(llm: LLM) -> list:
@@ -92,7 +112,7 @@ def test_two_stages_on_two_nodes_match_mp(model, nodes):
         # shutdown: the actor is gone, its placement groups removed, every CPU free again
         assert wait_until_gone([pid]) == []
         assert all(entry["state"] == "REMOVED" for entry in placement_group_table().values())
-        assert wait_for_cpus(2) == 2       # three CPUs, one held by the holder
+        assert wait_for_cpus(3) == 3       # four CPUs, one held by the holder
 
 
 def test_tensor_parallel_group_on_one_node_matches_mp(model, nodes):
@@ -105,7 +125,35 @@ def test_tensor_parallel_group_on_one_node_matches_mp(model, nodes):
         assert outputs(llm) == expected
         pid = rank1.pid
     assert wait_until_gone([pid]) == []
-    assert wait_for_cpus(3) == 3
+    assert wait_for_cpus(4) == 4
+
+
+def test_two_stages_of_two_tensor_parallel_ranks_each_on_its_node_match_one_stage(model, nodes):
+    """The layout the backend is for: a tensor-parallel group per node, a stage per group. Tokens
+    and logprobs equal one stage's under chunked prefill, preemption and prefix-cache hits."""
+    head, second = nodes
+    expected, _ = generate_twice(model, device="cpu")
+    with one_rank_placement_recorded() as placed:
+        got, preemptions = generate_twice(model, device="cpu", tensor_parallel_size=2, pipeline_parallel_size=2,
+                                          distributed_executor_backend="ray")
+    assert placed == {1: head, 2: second, 3: second}, "stage 0 with rank 0, stage 1 on the other node"
+    assert preemptions > 0
+    for run in range(2):
+        assert_same(got[run], expected[run], 2e-4)
+    assert wait_for_cpus(4) == 4
+
+
+def test_three_stages_on_an_uneven_split_over_two_nodes_match_one_stage(model, nodes):
+    head, second = nodes
+    expected, _ = generate_twice(model, device="cpu")
+    with one_head_cpu_taken(head), one_rank_placement_recorded() as placed:
+        got, preemptions = generate_twice(model, device="cpu", pipeline_parallel_size=3,
+                                          distributed_executor_backend="ray")
+        assert placed == {1: second, 2: second}, "the head's one free CPU is rank 0's"
+    assert preemptions > 0
+    for run in range(2):
+        assert_same(got[run], expected[run], 2e-4)
+    assert wait_for_cpus(4) == 4
 
 
 def test_a_killed_actor_is_an_error_naming_its_rank_and_node(model, nodes):
@@ -123,13 +171,15 @@ def test_a_killed_actor_is_an_error_naming_its_rank_and_node(model, nodes):
         finally:
             llm.shutdown()
         assert all(entry["state"] == "REMOVED" for entry in placement_group_table().values())
-        assert wait_for_cpus(2) == 2
+        assert wait_for_cpus(3) == 3
 
 
 @pytest.mark.parametrize("engine_args, message", [
     (dict(distributed_executor_backend="threads"), "distributed_executor_backend must be 'mp' or 'ray'"),
-    (dict(distributed_executor_backend="ray", tensor_parallel_size=2, pipeline_parallel_size=2),
-     "distributed_executor_backend='ray': the Ray cluster has 3 CPUs but the engine has 4 ranks"),
+    (dict(distributed_executor_backend="ray", tensor_parallel_size=2, pipeline_parallel_size=3),
+     "distributed_executor_backend='ray': the Ray cluster has 4 CPUs but the engine has 6 ranks"),
+    (dict(distributed_executor_backend="ray", tensor_parallel_size=4),
+     r"distributed_executor_backend='ray': no node of the Ray cluster has 4 CPUs for one tensor-parallel group"),
 ])
 def test_bad_values_name_the_argument(model, nodes, engine_args, message, monkeypatch):
     import nanovllm.executor.executor as executor_module
@@ -139,7 +189,7 @@ def test_bad_values_name_the_argument(model, nodes, engine_args, message, monkey
     monkeypatch.setattr(executor_module, "Worker", no_worker)
     with pytest.raises(ValueError, match=message):
         LLM(model, **{**ARGS, **engine_args})
-    assert wait_for_cpus(3) == 3, "a refused engine reserves nothing"
+    assert wait_for_cpus(4) == 4, "a refused engine reserves nothing"
 
 
 def test_ray_not_installed_is_a_value_error(model, nodes, monkeypatch):
@@ -154,10 +204,10 @@ def test_ray_llm_replicas_are_local_groups(model, nodes):
     from nanovllm.ray import RayLLM
     with pytest.raises(ValueError, match="distributed_executor_backend: a RayLLM replica runs its ranks"):
         RayLLM(model, num_replicas=1, distributed_executor_backend="ray", **ARGS)
-    # a replica of two stages reserves both ranks' CPUs on one node: the head (the other has one)
+    # a replica of two stages reserves both ranks' CPUs (one bundle: on one node)
     with RayLLM(model, num_replicas=1, pipeline_parallel_size=2, **ARGS) as llm:
-        assert ray.available_resources().get("CPU", 0) == 1
+        assert ray.available_resources().get("CPU", 0) == 2
         got = [(o["token_ids"], o["logprobs"]) for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     with LLM(model, pipeline_parallel_size=2, **ARGS) as reference:
         assert got == outputs(reference)
-    assert wait_for_cpus(3) == 3
+    assert wait_for_cpus(4) == 4

@@ -181,13 +181,15 @@ def _check_cluster(config: Config, resource: str) -> None:
 
 def _place_stages(config: Config, resource: str) -> list:
     """One STRICT_PACK placement group per stage, ordered so that stage 0's lies on this node
-    (rank 0 runs here)."""
+    (rank 0 runs here). The first is asked for on this node: left to itself, Ray may put every
+    group on other nodes that have room."""
     import ray
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-    groups = [placement_group([{resource: 1}] * tp, strategy="STRICT_PACK") for _ in range(pp)]
-    ready, _ = ray.wait([g.ready() for g in groups], num_returns=pp, timeout=PLACEMENT_TIMEOUT_S)
     here = ray.get_runtime_context().get_node_id()
+    groups = [placement_group([{resource: 1}] * tp, strategy="STRICT_PACK",
+                              _soft_target_node_id=here if stage == 0 else None) for stage in range(pp)]
+    ready, _ = ray.wait([g.ready() for g in groups], num_returns=pp, timeout=PLACEMENT_TIMEOUT_S)
     nodes = [placement_group_table(g)["bundles_to_node_id"][0] if len(ready) == pp else None for g in groups]
     if here not in nodes:
         for g in groups:
