@@ -49,6 +49,7 @@ def main():
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-parallel-size", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--disable-custom-all-reduce", action="store_true", help="tensor-parallel sums by NCCL only")
     parser.add_argument("--enable-prefix-caching", type=int, default=1, help="1 or 0")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--quantization", default=None, choices=["fp8", "awq", "gptq"],
@@ -64,6 +65,8 @@ def main():
     engine_args = model_engine_args(args)
     if args.structured_json and args.config:     # a vocabulary in which JSON can be written
         engine_args["model"] = cached_shape(args.config, text_pieces=True)
+    if args.disable_custom_all_reduce:
+        engine_args["disable_custom_all_reduce"] = True
     llm = LLM(**engine_args, max_model_len=args.max_model_len,
               tensor_parallel_size=args.tensor_parallel_size,
               pipeline_parallel_size=args.pipeline_parallel_size, enforce_eager=args.enforce_eager,

@@ -55,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bandwidth-tbps", type=float, default=3.0, help="device read bandwidth of the floor, TB/s")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
+    parser.add_argument("--disable-custom-all-reduce", action="store_true", help="tensor-parallel sums by NCCL only")
     parser.add_argument("--max-model-len", type=int, help="default: input len + output len")
     parser.add_argument("--quantization", help="passed to LLM when given")
     parser.add_argument("--speculative-config", type=json.loads, help="JSON object, passed to LLM when given")
@@ -69,10 +72,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def engine_args(args: argparse.Namespace) -> dict:
-    """LLM's arguments; --quantization and --speculative-config only when given, so the script runs
-    on engines that do not know them."""
+    """LLM's arguments; the optional ones only when given, so the script runs on engines that do not
+    know them."""
     kwargs = dict(model_engine_args(args), kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
                   max_model_len=args.max_model_len or args.input_len + args.output_len)
+    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
+        kwargs.update(tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size)
+    if args.disable_custom_all_reduce:
+        kwargs["disable_custom_all_reduce"] = True
     if args.quantization is not None:
         kwargs["quantization"] = args.quantization
     if args.speculative_config is not None:

@@ -32,6 +32,7 @@ class Config:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    disable_custom_all_reduce: bool = False   # True: tensor-parallel sums by NCCL only (no one-shot over symmetric memory)
     kv_cache_dtype: str = "auto"          # "auto": the model's dtype; "fp8": float8 e4m3 with scales
     load_format: str = "auto"             # "auto": the safetensors files; "dummy": random weights (benchmarks)
     speculative_config: dict | SpeculativeConfig | None = None   # e.g. {"method": "ngram", "num_speculative_tokens": 4}
@@ -168,7 +169,7 @@ class Config:
                              "tensor_parallel_size spreads it over several devices")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
-        for name in ("enable_prefix_caching", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enforce_eager", "disable_custom_all_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._check_kv_offload()

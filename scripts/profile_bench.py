@@ -1,7 +1,10 @@
 """Where bench.py's time goes: GPU-busy time of prefill and decode steps over the whole workload
 and the time the GPU sat idle waiting for the host, then a kernel breakdown of a window of decode steps (torch profiler).
+With --decode-batch B: only the breakdown, of decode steps at batch B (rank 0's GPU under tensor parallelism),
+beside each step's wall time; what the kernels leave of it is the device waiting (host, other ranks).
 
     PYTHONPATH=. python scripts/profile_bench.py --config configs/qwen3-0.6b.json
+    PYTHONPATH=. python scripts/profile_bench.py --config configs/qwen3-8b.json --decode-batch 1 --tensor-parallel-size 2
 """
 import argparse
 import time
@@ -15,6 +18,7 @@ from nanovllm.checkpoints.random_checkpoint import cached_shape
 
 KERNEL_GROUPS = [("attention", ("_decode_kernel", "_prefill_kernel", "flash", "attention",
                                  "fmha", "cutlass::fmha")),
+                 ("communication", ("nccl", "one_shot", "all_reduce", "allgather", "symm")),
                  ("fused MoE", ("_grouped_gemm_kernel",)), ("rms norm", ("_rms_norm",)), ("q/k norm, rotary, KV store", ("_rotary",)),
                  ("silu*mul", ("_silu_and_mul",)), ("activation quant", ("_quantize_kernel",)), ("GEMM", ("gemm", "cutlass", "sm90", "nvjet", "cublas")),
                  ("sampler", ("_chunk_summary", "_pick_token", "softmax", "argmax", "gather"))]
@@ -26,9 +30,10 @@ def group_of(kernel_name: str) -> str:
 
 
 def warmed_bench_engine(config: str, kv_cache_dtype: str, num_seqs: int,
-                        quantization: str | None = None) -> tuple[LLM, list, list]:
+                        quantization: str | None = None, **engine_args) -> tuple[LLM, list, list]:
     """An engine over random weights of a shape, after one warm-up request, and bench.py's requests."""
-    llm = LLM(cached_shape(config), load_format="dummy", kv_cache_dtype=kv_cache_dtype, quantization=quantization)
+    llm = LLM(cached_shape(config), load_format="dummy", kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+              **engine_args)
     requests = bench_requests(num_seqs)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens) for _, max_tokens in requests]
     llm.generate(["warm-up"], SamplingParams(), use_tqdm=False)
@@ -42,8 +47,17 @@ def main():
     parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--quantization", default=None, choices=["fp8", "awq", "gptq"], help="as bench.py's")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
+    parser.add_argument("--decode-batch", type=int, default=0, help="profile decode steps at this batch only")
     args = parser.parse_args()
-    llm, prompts, params = warmed_bench_engine(args.config, args.kv_cache_dtype, args.num_seqs, args.quantization)
+    llm, prompts, params = warmed_bench_engine(args.config, args.kv_cache_dtype, args.num_seqs, args.quantization,
+                                               tensor_parallel_size=args.tensor_parallel_size,
+                                               pipeline_parallel_size=args.pipeline_parallel_size)
+    if args.decode_batch:
+        profile_decode_batch(llm, args.decode_batch, args.profile_steps)
+        llm.shutdown()
+        return
 
     # Events around every launched step, on one clock: a step's GPU time runs from when the device
     # reaches it (its start, or the previous step's end if later) to its end; a start after the
@@ -121,18 +135,34 @@ def main():
         llm.engine.step()
 
 
+def profile_decode_batch(llm, batch: int, steps: int) -> None:
+    """Decode steps of `batch` sequences of 128-token prompts, after they are all prefilled."""
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=steps + 40)
+    for i in range(batch):
+        llm.engine.add_request([(31 * i + j) % 10000 for j in range(128)], params)
+    for _ in range(20):
+        llm.engine.step()
+    kernel_breakdown(llm, f"decode at batch {batch}", steps, table=True)
+    while not llm.engine.is_finished():
+        llm.engine.step()
+
+
 def kernel_breakdown(llm, label: str, steps: int, table: bool = False) -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
         for _ in range(steps):
             llm.engine.step()
         torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in events)
     groups = defaultdict(float)
     for e in events:
         groups[group_of(e.key)] += e.self_device_time_total
-    print(f"\n{label} window: {steps} steps, GPU kernel time {total / 1e3:.1f} ms ({total / 1e3 / steps:.2f} ms/step)")
+    print(f"\n{label} window: {steps} steps, GPU kernel time {total / 1e3:.1f} ms ({total / 1e3 / steps:.2f} ms/step); "
+          f"wall {wall_ms:.2f} ms/step under the profiler, {wall_ms - total / 1e3 / steps:.2f} ms of it no kernel ran")
     for group, us in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"  {group:10s} {us / 1e3:8.2f} ms  {100 * us / total:5.1f}%")
     if table:

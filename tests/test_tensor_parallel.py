@@ -33,8 +33,11 @@ def run_both(path, prompts, params, **engine_args):
     return [o["token_ids"] for o in first], [o["token_ids"] for o in second]
 
 
-@pytest.mark.parametrize("engine_args", [dict(), dict(max_num_batched_tokens=32, max_num_seqs=4)],
-                         ids=["whole-prompts", "chunked-prefill"])
+@pytest.mark.parametrize("engine_args", [
+    dict(), dict(max_num_batched_tokens=32, max_num_seqs=4),
+    pytest.param(dict(disable_custom_all_reduce=True), marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="the one-shot all-reduce it turns off runs on CUDA only"))],
+    ids=["whole-prompts", "chunked-prefill", "nccl-all-reduce"])
 def test_two_ranks_give_the_same_tokens_as_one(model_path, hf_greedy, engine_args):
     shared = mixed_prompts(500, lengths=(40,), seed=7)[0]
     prompts = mixed_prompts(500, lengths=(1, 17, 70, 5)) + [shared + [7, 8], shared + [9] * 20]

@@ -4,6 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.all_reduce import tensor_parallel_all_reduce
 from nanovllm.layers.linear import tp_group, tp_rank_and_size
 from nanovllm.layers.parallel_state import parallel_state
 
@@ -32,8 +33,7 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(token_ids, self.weight)
         mine = (token_ids >= self.vocab_start) & (token_ids < self.vocab_end)
         y = F.embedding((token_ids - self.vocab_start) * mine, self.weight) * mine.unsqueeze(1)
-        dist.all_reduce(y, group=self.tp_group)
-        return y
+        return tensor_parallel_all_reduce(y, self.tp_group)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -12,9 +12,9 @@ method declared. An optional bias is split like the output features it belongs t
 from typing import ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from nanovllm.layers.all_reduce import tensor_parallel_all_reduce
 from nanovllm.layers.parallel_state import parallel_state
 from nanovllm.quantization.base import QuantizationConfig, UnquantizedLinearMethod, shard_param
 
@@ -164,5 +164,5 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x)
         if self.tp_size > 1:
-            dist.all_reduce(y, group=self.tp_group)
+            y = tensor_parallel_all_reduce(y, self.tp_group)
         return y if self.bias is None else y + self.bias

@@ -14,12 +14,12 @@ columns), so each rank computes a partial sum of every token's output and one al
 down projection completes it. The router is small and replicated.
 """
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels.fused_moe import fused_moe, fused_moe_ref
 from nanovllm.kernels.moe_routing import route, route_ref
+from nanovllm.layers.all_reduce import tensor_parallel_all_reduce
 from nanovllm.layers.linear import load_shard, tp_group, tp_rank_and_size
 from nanovllm.quantization.base import QuantizationConfig, shard_param
 
@@ -121,5 +121,5 @@ class SparseMoeBlock(nn.Module):
         weights, ids = (route if x.is_cuda else route_ref)(logits, self.top_k, self.norm_topk_prob, x.dtype)
         y = self.experts(x, weights, ids)
         if self.experts.tp_size > 1:
-            dist.all_reduce(y, group=self.experts.tp_group)
+            y = tensor_parallel_all_reduce(y, self.experts.tp_group)
         return y

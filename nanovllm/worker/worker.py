@@ -26,6 +26,7 @@ from nanovllm.attention import choose_attention_backend, use_metadata
 from nanovllm.config import Config
 from nanovllm.core.step import SPECULATION_MAX_RUNNING, ShardSampling, StepInputs
 from nanovllm.kernels.fp8_kv_cache import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
+from nanovllm.layers.all_reduce import start_one_shot_all_reduce, stop_one_shot_all_reduce
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.parallel_state import init_parallel_state, reset_parallel_state
 from nanovllm.sample.sampler import Sampler, SamplerOutput, SamplingTensors
@@ -75,6 +76,8 @@ class Worker(WorkerRollout):
                                     world_size=self.world_size, rank=rank, timeout=timedelta(minutes=10))
         # before the model is built (every rank, one too): its layers take their shard and group from it
         self.parallel = init_parallel_state(rank, self.tp_size, config.pipeline_parallel_size)
+        if self.tp_size > 1 and not config.disable_custom_all_reduce:
+            start_one_shot_all_reduce(self.parallel.tp_group, self.device, config.torch_dtype)
         with torch.device(self.device), default_dtype(config.torch_dtype):
             self.model = build_model(config.model_config)
         self.pooling = config.runner == "pooling"      # returns hidden states: no LM head, no sampling
@@ -342,6 +345,7 @@ class Worker(WorkerRollout):
         """Free this rank's device memory (the executor leaves the process group)."""
         self.graphs, self.model, self.last_token_ids = [], None, None
         reset_parallel_state()
+        stop_one_shot_all_reduce()
         self.kv_cache.release()
         if self.host_kv_cache is not None:
             self.host_kv_cache.release()

@@ -1,0 +1,58 @@
+"""Time of one tensor-parallel all-reduce inside a CUDA graph on two GPUs, by message size: NCCL
+against the one-shot over symmetric memory (layers/all_reduce.py). Sets ONE_SHOT_MAX_BYTES.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=. python scripts/bench_all_reduce.py
+"""
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nanovllm.executor.processes import MULTICAST_OFF
+from nanovllm.layers.all_reduce import OneShotAllReduce
+
+SIZES_KIB = [8, 32, 128, 256, 512, 1024, 2048, 4096]
+CALLS, REPLAYS = 50, 20
+
+
+def per_call_us(reduce, x: torch.Tensor) -> float:
+    """Microseconds per call of CALLS calls captured in one graph, over REPLAYS replays."""
+    reduce(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            reduce(x)
+    graph.replay()
+    dist.barrier()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (REPLAYS * CALLS)
+
+
+def rank_main(rank: int, port: int) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank)
+    one_shot = OneShotAllReduce(dist.group.WORLD, torch.device("cuda", rank), torch.bfloat16, max(SIZES_KIB) * 1024)
+    for kib in SIZES_KIB:
+        x = torch.randn(kib * 512, device="cuda", dtype=torch.bfloat16) * 1e-3
+        nccl = per_call_us(lambda t: dist.all_reduce(t), x)
+        symm = per_call_us(one_shot, x)
+        if rank == 0:
+            print(f"{kib:>5} KiB: NCCL {nccl:6.1f} us, one-shot {symm:6.1f} us", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.update(MULTICAST_OFF)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(rank_main, args=(port,), nprocs=2)
