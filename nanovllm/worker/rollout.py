@@ -6,7 +6,7 @@ import torch
 
 from nanovllm.worker.weight_loader import checkpoint_tensors
 from nanovllm.worker.weight_sync import WeightSyncGroup, weight_sync_group
-from nanovllm.worker.weight_update import InPlaceWeightLoader, tensor_shape
+from nanovllm.worker.weight_update import InPlaceWeightLoader, PinnedStaging, tensor_shape
 
 
 def parse_dtype(dtype) -> torch.dtype:
@@ -23,9 +23,13 @@ class WorkerRollout:
     weights_asleep = kv_cache_asleep = False
     slept_weights: dict[str, tuple[torch.Tensor | None, torch.Size, torch.dtype]] | None = None
     host_weights: torch.Tensor | None = None    # pinned, for level-1 sleeps (kept between them)
+    pinned_staging: PinnedStaging | None = None   # host tensors' way in, its pinned buffers kept between updates
 
     def _in_place_loader(self) -> InPlaceWeightLoader:
-        return InPlaceWeightLoader(self.model, self.model.checkpoint_shapes, self.config.torch_dtype)
+        if self.pinned_staging is None:
+            self.pinned_staging = PinnedStaging(self.device)
+        return InPlaceWeightLoader(self.model, self.model.checkpoint_shapes, self.config.torch_dtype,
+                                   self.pinned_staging)
 
     # ---- weights -------------------------------------------------------------------------------
 
