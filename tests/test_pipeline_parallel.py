@@ -7,6 +7,7 @@ give one stage's tokens and logprobs under chunked prefill, preemption and prefi
 import contextlib
 import multiprocessing as mp
 import os
+import threading
 import time
 
 import pytest
@@ -288,6 +289,32 @@ def test_three_stages_uneven_split_and_a_dead_stage(five_layers_untied, hf_greed
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_send_to_a_stage_that_just_died_never_returning_is_an_error(four_layers, monkeypatch):
+    """gloo's send to a rank that has just died can miss the closed connection and wait out the
+    process group's timeout (10 minutes; seen about once in 90 kills), so rank 0's share of the step
+    never returns: the executor watches the ranks meanwhile and names the dead one."""
+    import nanovllm.worker.worker as worker_module
+    llm = LLM(four_layers, kvcache_block_size=16, max_model_len=256, pipeline_parallel_size=2)
+    stage, release = llm.engine.core.executor.processes[0].process, threading.Event()
+
+    def send_that_never_returns(*args):
+        stage.kill()
+        stage.join()
+        release.wait()
+        raise ConnectionError("released at the end of the test")
+
+    monkeypatch.setattr(worker_module, "send_activations", send_that_never_returns)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"worker rank 1 \(pipeline stage 1, tensor-parallel rank 0\) died"):
+            llm.generate([[5] * 20], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert time.monotonic() - start < 30
+    finally:
+        release.set()
+        llm.shutdown()
+    assert not mp.active_children()
 
 
 def test_two_stages_of_two_tensor_parallel_ranks(four_layers, one_stage, oversubscribe):

@@ -15,6 +15,7 @@ what runs; the scheduler does.
 """
 import contextlib
 import os
+import threading
 import time
 import weakref
 from collections import deque
@@ -163,9 +164,9 @@ class Executor:
                 self.ids_awaited = not sample
         with self._step_everywhere(inputs):
             if inputs.shard_sampling is not None:
-                self._to_host(step, SamplerOutput(self.driver.run(inputs)))
+                self._to_host(step, SamplerOutput(self._watching_ranks(self.driver.run, inputs)))
                 return step
-            logits = self.driver.run(inputs)
+            logits = self._watching_ranks(self.driver.run, inputs)
             if isinstance(logits, IncomingLogits):     # pipeline stages: the last stage sends them later
                 step.incoming = logits
                 self.incoming.append(logits)
@@ -206,12 +207,12 @@ class Executor:
         pipeline stages, first wait for its logits from the last stage (and queue its prompt logprobs)."""
         with self._step_everywhere():
             if step.incoming is not None:
-                step.logits = self._receive(step.incoming)
+                step.logits = self._watching_ranks(self._receive, step.incoming)
                 step.incoming = None
                 if step.prompt_logprobs is not None:
                     step.logits = split_prompt_rows(step.prompt_logprobs, step.logits, self.driver.host_to_device)
             if step.seqs:
-                self._sample(step, token_bitmask)
+                self._watching_ranks(self._sample, step, token_bitmask)
             else:                 # a step of prompt logprobs only
                 step.logits = None
             self.ids_awaited = False
@@ -239,9 +240,38 @@ class Executor:
                 return
             try:
                 for incoming in pending:
-                    incoming.wait()
+                    self._watching_ranks(incoming.wait)
             except Exception:
                 self.ranks_apart = True
+
+    def _watching_ranks(self, call, *args):
+        """call(*args), a share of a step that meets the other ranks. On the CPU it runs in a thread
+        while this one watches them: a gloo send to a rank that has just died can miss the closed
+        connection and wait out the process group's timeout (10 minutes; seen about once in 90
+        kills), so a dead rank is raised from here, naming it. On GPUs NCCL queues the work and
+        _wait_for_device watches the ranks."""
+        if self.driver.is_cuda or not self.processes:
+            return call(*args)
+        outcome = []
+
+        def run():
+            try:
+                outcome.append((True, call(*args)))
+            except BaseException as error:
+                outcome.append((False, error))
+
+        # a daemon: one stuck in gloo must not keep the interpreter from exiting
+        thread = threading.Thread(target=run, name="nanovllm-rank0-step", daemon=True)
+        thread.start()
+        thread.join(timeout=0.05)
+        while thread.is_alive():
+            for process in self.processes:
+                process.check_alive()
+            thread.join(timeout=0.05)
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
 
     def _sample(self, step: LaunchedStep, token_bitmask=None) -> None:
         if token_bitmask is not None:
