@@ -3,6 +3,7 @@ against the one-shot over symmetric memory (layers/all_reduce.py). Sets ONE_SHOT
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=. python scripts/bench_all_reduce.py
 """
+import argparse
 import os
 import socket
 
@@ -13,7 +14,6 @@ import torch.multiprocessing as mp
 from nanovllm.executor.processes import MULTICAST_OFF
 from nanovllm.layers.all_reduce import OneShotAllReduce
 
-SIZES_KIB = [8, 32, 128, 256, 512, 1024, 2048, 4096]
 CALLS, REPLAYS = 50, 20
 
 
@@ -37,11 +37,11 @@ def per_call_us(reduce, x: torch.Tensor) -> float:
     return start.elapsed_time(end) * 1e3 / (REPLAYS * CALLS)
 
 
-def rank_main(rank: int, port: int) -> None:
+def rank_main(rank: int, port: int, sizes_kib: list[int]) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank)
-    one_shot = OneShotAllReduce(dist.group.WORLD, torch.device("cuda", rank), torch.bfloat16, max(SIZES_KIB) * 1024)
-    for kib in SIZES_KIB:
+    one_shot = OneShotAllReduce(dist.group.WORLD, torch.device("cuda", rank), torch.bfloat16, max(sizes_kib) * 1024)
+    for kib in sizes_kib:
         x = torch.randn(kib * 512, device="cuda", dtype=torch.bfloat16) * 1e-3
         nccl = per_call_us(lambda t: dist.all_reduce(t), x)
         symm = per_call_us(one_shot, x)
@@ -51,8 +51,14 @@ def rank_main(rank: int, port: int) -> None:
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes-kib", type=lambda text: [int(k) for k in text.split(",")],
+                        default=[8, 32, 128, 256, 512, 1024, 2048, 4096], help="comma-separated message sizes")
+    args = parser.parse_args()
+    if torch.cuda.device_count() < 2:
+        parser.error("needs two CUDA devices")
     os.environ.update(MULTICAST_OFF)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(port,), nprocs=2)
+    mp.spawn(rank_main, args=(port, args.sizes_kib), nprocs=2)
