@@ -14,15 +14,17 @@
 #                                        # (SHAPE=configs/x.json, default the Qwen3-0.6B shape; bf16 and FP8 KV)
 #   bash scripts/gpu_check.sh peer       # transformers' continuous batching, tuned (CUDA graphs, 256 requests
 #                                        # per batch), on bench.py's workload
+#   bash scripts/gpu_check.sh parallel   # two GPUs: the all-reduce by size, the two-GPU tests, bench_latency and
+#                                        # bench.py at TP=1, TP=2 (and with NCCL only) and PP=2, a TP=2 decode profile
 # Arguments after the stage go to its Python commands: `bash scripts/gpu_check.sh latency --enforce-eager`.
 # Logs go to $OUT (or ./gpu_logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:-}
 case "$stage" in
-  tests|bench|latency|serving|moe|profile|peer) shift ;;
+  tests|bench|latency|serving|moe|profile|peer|parallel) shift ;;
   -h|--help|help) sed -n '2,/^set /p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
-  *) echo "usage: bash scripts/gpu_check.sh tests|bench|latency|serving|moe|profile|peer [ARGS...] (--help)" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_check.sh tests|bench|latency|serving|moe|profile|peer|parallel [ARGS...] (--help)" >&2; exit 2 ;;
 esac
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1   # keep carried wheels (/tmp/site) visible
 LOGS=${OUT:-gpu_logs}
@@ -104,4 +106,19 @@ fi
 if [ "$stage" = peer ]; then
   timeout 580 python scripts/hf_continuous_batching.py --cuda-graphs --max-requests-per-batch 256 --timeout 400 "$@" 2>&1 \
     | tee "$LOGS/hf_cb.log" | tail -5
+fi
+if [ "$stage" = parallel ]; then
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # never multicast
+  timeout 120 python scripts/bench_all_reduce.py 2>&1 | tee "$LOGS/all_reduce.log" | grep KiB
+  timeout 200 python -m pytest -q tests/test_all_reduce.py tests/test_shard_sampling.py 2>&1 | tail -2
+  for args in "--tensor-parallel-size 1" "--tensor-parallel-size 2" "--tensor-parallel-size 2 --disable-custom-all-reduce"; do
+    timeout 150 python bench_latency.py --config configs/qwen3-8b.json --batch-sizes 1,16,64 --output-len 256 $args "$@" \
+      2>&1 | tee -a "$LOGS/latency_parallel.log" | grep -E "^batch" | sed "s|^|$args: |"
+  done
+  for args in "--tensor-parallel-size 1" "--tensor-parallel-size 2" "--pipeline-parallel-size 2"; do
+    timeout 150 python bench.py --config configs/qwen3-8b.json $args "$@" 2>&1 | tee -a "$LOGS/bench_parallel.log" \
+      | grep Throughput | sed "s|^|$args: |"
+  done
+  timeout 120 python scripts/profile_bench.py --config configs/qwen3-8b.json --tensor-parallel-size 2 --decode-batch 1 \
+    2>&1 | tee "$LOGS/profile_tp2.log" | grep -A10 window
 fi
