@@ -234,8 +234,7 @@ class Executor:
             return
         with deferred_keyboard_interrupt():
             try:
-                for process in self.processes:
-                    process.check_alive()
+                self._check_ranks_alive()
             except RuntimeError:
                 return
             try:
@@ -265,8 +264,7 @@ class Executor:
         thread.start()
         thread.join(timeout=0.05)
         while thread.is_alive():
-            for process in self.processes:
-                process.check_alive()
+            self._check_ranks_alive()
             thread.join(timeout=0.05)
         ok, value = outcome[0]
         if not ok:
@@ -349,9 +347,13 @@ class Executor:
             done.synchronize()
             return
         while not done.query():
-            for process in self.processes:
-                process.check_alive()
+            self._check_ranks_alive()
             time.sleep(0.0001)
+
+    def _check_ranks_alive(self) -> None:
+        """A RuntimeError naming the first rank whose process or actor has died."""
+        for process in self.processes:
+            process.check_alive()
 
     def close(self) -> None:
         """Stop the worker processes, leave the process group and free rank 0's device memory."""
