@@ -63,7 +63,7 @@ class InPlaceWeightLoader:
     """One update of one rank's model: `problems` first, then `load` each tensor, then `finish`."""
 
     def __init__(self, model: nn.Module, checkpoint_shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
-                 to_device: PinnedStaging | None = None):
+                 to_device: PinnedStaging):
         self.model = model
         self.dtype = dtype          # the model's 16/32-bit dtype: online FP8 stages in it, as start-up loads
         self.checkpoint_shapes = checkpoint_shapes      # as the start-up checkpoint had them
@@ -71,7 +71,7 @@ class InPlaceWeightLoader:
         self.params = dict(model.named_parameters())
         self.modules = dict(model.named_modules())
         self.staged: dict[str, torch.Tensor] = {}       # online-FP8 parameter -> its 16-bit staging copy
-        self.to_device = to_device or PinnedStaging(next(model.parameters()).device)
+        self.to_device = to_device      # the worker's, kept between updates (pinning is what costs)
 
     def _module(self, param_name: str) -> tuple[nn.Module, str]:
         module_name, _, attr = param_name.rpartition(".")
