@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from nanovllm.executor.processes import MULTICAST_OFF
 from nanovllm.layers import all_reduce
 from nanovllm.layers.all_reduce import ONE_SHOT_MAX_BYTES, start_one_shot_all_reduce, stop_one_shot_all_reduce, \
     tensor_parallel_all_reduce
@@ -40,6 +41,7 @@ def check_rank(rank: int, port: int, device_type: str, failures) -> None:
         device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
         if device_type == "cuda":
             torch.cuda.set_device(rank)
+            os.environ.update(MULTICAST_OFF)     # as the engine's ranks: no NVLink multicast object, ever
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 world_size=2, rank=rank)
         start_one_shot_all_reduce(None, torch.device(device), torch.bfloat16)
