@@ -2,14 +2,20 @@
 per sequence) and, with speculative decoding, steps of up to `query_len` tokens per sequence over
 its cached blocks (verify steps, a draft's catch-up).
 
-A replay copies a step's inputs into those buffers with a single host-to-device copy (through two
-pinned host buffers used in turn, since the copy of the step still queued may read the other), pads
+A replay copies a step's inputs into those buffers with a single host-to-device copy (through pinned
+host buffers used in turn, one per step that may still be queued: the copy of such a step may still
+read its buffer; two, or under P pipeline stages P, as rank 0 keeps that many steps in flight), pads
 the batch up to the captured size (padding rows write and read nothing), and replays.
 
 A multi-token graph gives every sequence query_len rows: token j of sequence s sits in row
 s * query_len + j, and the rows after a sequence's own tokens are padding. Padding writes no cache
 slot and comes after the sequence's tokens, so causal attention hides it from them; the sequence's
 context length grows by its padding so that its own tokens keep their positions.
+
+Under pipeline stages each stage captures its own layers: a stage after the first reads the
+previous stage's hidden states and residual from a fixed buffer (the worker copies what it received
+into it), and a stage before the last leaves its pair in `outputs` for the worker to send. The
+send and receive stay outside the graphs.
 """
 from collections.abc import Callable
 
@@ -28,7 +34,8 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 class StepGraphs:
     def __init__(self, model: nn.Module, backend: AttentionBackend, max_num_seqs: int, max_blocks_per_seq: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device, query_len: int = 1, pool=None):
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, query_len: int = 1, pool=None,
+                 num_stages: int = 1, first_stage: bool = True, last_stage: bool = True):
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.query_len = query_len
         # a sequence's padding rows may reach past its last block: they read block 0, write nothing
@@ -37,9 +44,12 @@ class StepGraphs:
         rows = largest * query_len
         # one int64 buffer: input ids, positions, slots, context lengths, block tables
         self.inputs = torch.zeros(rows * 3 + largest * (1 + self.width), dtype=torch.int64, device=device)
-        self.inputs_host = [torch.zeros(self.inputs.shape, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.inputs_host = [torch.zeros(self.inputs.shape, dtype=torch.int64).pin_memory()
+                            for _ in range(max(2, num_stages))]
         self.cu_seqlens_q = torch.arange(0, rows + 1, query_len, dtype=torch.int32, device=device)
-        self.outputs = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
+        # pipeline stages: the previous stage's (hidden states, residual) in, or this stage's out
+        self.activations = None if first_stage else torch.zeros(2, rows, hidden_size, dtype=dtype, device=device)
+        self.outputs = torch.zeros(*(() if last_stage else (2,)), rows, hidden_size, dtype=dtype, device=device)
         # a padding sequence of a multi-token graph attends to block 0 (reading before its first key
         # would index the block table out of bounds)
         self._padding_context_len = 0 if query_len == 1 else query_len
@@ -59,10 +69,10 @@ class StepGraphs:
                         backend.multi_token_metadata(slot_mapping[:rows], context_lens[:size], block_tables[:size],
                                                      self.cu_seqlens_q[:size + 1], self.query_len))
             with use_metadata(metadata):
-                self.outputs[:rows] = model(input_ids[:rows], positions[:rows])   # warm-up
+                self._run(model, input_ids, positions, rows)   # warm-up
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, self.pool):
-                    self.outputs[:rows] = model(input_ids[:rows], positions[:rows])
+                    self._run(model, input_ids, positions, rows)
             self.pool = graph.pool()
             self.graphs[size] = graph
             torch.cuda.synchronize(device)
@@ -71,6 +81,16 @@ class StepGraphs:
         for graph in self.graphs.values():
             graph.replay()
         torch.cuda.synchronize(device)
+
+    def _run(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, rows: int) -> None:
+        if self.activations is None:
+            out = model(input_ids[:rows], positions[:rows])
+        else:
+            out = model(input_ids[:rows], positions[:rows], (self.activations[0, :rows], self.activations[1, :rows]))
+        if self.outputs.dim() == 2:
+            self.outputs[:rows] = out
+        else:
+            self.outputs[0, :rows], self.outputs[1, :rows] = out
 
     def size_for(self, inputs: StepInputs) -> int:
         """The captured batch size that serves this step, or 0 if these graphs cannot."""
@@ -88,12 +108,14 @@ class StepGraphs:
         ids, pos, slots, lens, tables = flat.split([rows] * 3 + [largest, largest * self.width])
         return [ids, pos, slots, lens, tables.view(largest, self.width)]
 
-    def replay(self, inputs: StepInputs, size: int,
-               read_pending_tokens: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
-        """Run the step; its hidden states (padded rows included) and the rows of those to sample."""
+    def replay(self, inputs: StepInputs, size: int, read_pending_tokens: Callable[[torch.Tensor], torch.Tensor],
+               activations: tuple[torch.Tensor, torch.Tensor] | None = None,
+               ) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], np.ndarray]:
+        """Run the step; its hidden states (on a stage before the last, the pair to send on) and the
+        rows of those to sample. `activations`: the previous stage's, on a stage after the first."""
         n, width = inputs.num_seqs, self.query_len
-        host = self.inputs_host[0]
-        self.inputs_host.reverse()
+        host = self.inputs_host.pop(0)
+        self.inputs_host.append(host)
         input_ids, positions, slot_mapping, context_lens, block_tables = self._views(host)
         if width == 1:
             token_rows, lens, sampled = slice(0, n), inputs.context_lens, inputs.logits_indices
@@ -115,5 +137,9 @@ class StepGraphs:
         if inputs.input_ids.min() < 0:
             ids = self.inputs[:n * width]             # the input-id view comes first
             ids.copy_(read_pending_tokens(ids))
+        if activations is not None:
+            self.activations[0, :n * width], self.activations[1, :n * width] = activations
         self.graphs[size].replay()
+        if self.outputs.dim() == 3:
+            return (self.outputs[0, :n * width], self.outputs[1, :n * width]), sampled
         return self.outputs[:n * width], sampled

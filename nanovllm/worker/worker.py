@@ -10,8 +10,8 @@ two halves so that an executor can check every rank loaded its weights before th
 
 Under pipeline parallelism a worker holds one stage's layers (and their KV cache); a step receives
 the previous stage's hidden states and sends its own on (pipeline.py), and each rank runs the steps
-in the order they come, several of them in flight at once. Decode then runs eagerly: no CUDA graphs
-are captured (the stage's send/recv would have to be in them).
+in the order they come, several of them in flight at once. Each stage replays its own decode graphs;
+the send and receive run between them.
 """
 import contextlib
 import math
@@ -108,8 +108,7 @@ class Worker(WorkerRollout):
         self.kv_cache.allocate(self.num_kvcache_blocks)
         if self.is_cuda:
             self._run_cached_prefill()
-        # pooling never decodes; pipeline stages run eagerly (their send/recv are not captured)
-        if self.is_cuda and not config.enforce_eager and self.parallel.num_stages == 1 and not self.pooling:
+        if self.is_cuda and not config.enforce_eager and not self.pooling:     # pooling never decodes
             self._capture_graphs(self.multi_token_len)
 
     def _capture_graphs(self, multi_token_len: int | None) -> None:
@@ -120,7 +119,9 @@ class Worker(WorkerRollout):
             spec = config.speculative_config
             multi_token_len = spec.num_speculative_tokens + 1 if spec is not None else 1
         shape = (config.min_kvcache_blocks, config.model_config.hidden_size, config.torch_dtype, self.device)
-        decode = StepGraphs(self.model, self.backend, config.max_num_seqs, *shape)
+        stage = self.parallel
+        decode = StepGraphs(self.model, self.backend, config.max_num_seqs, *shape, num_stages=stage.num_stages,
+                            first_stage=stage.is_first_stage, last_stage=stage.is_last_stage)
         self.graphs = [decode]
         if multi_token_len > 1:
             self.graphs.append(StepGraphs(self.model, self.backend, min(config.max_num_seqs, SPECULATION_MAX_RUNNING),
@@ -305,8 +306,11 @@ class Worker(WorkerRollout):
             self.kv_cache.copy_blocks(self.host_to_device(inputs.block_copies))
         graphs, size = next(((graphs, size) for graphs in self.graphs if (size := graphs.size_for(inputs))),
                             (None, 0))
+        intermediate = None if self.parallel.is_first_stage else receive_activations(
+            len(inputs.input_ids), self.config.model_config.hidden_size, self.config.torch_dtype, self.device,
+            self.rank - self.tp_size)
         if graphs is not None:
-            hidden, rows = graphs.replay(inputs, size, self.read_pending_tokens)
+            hidden, rows = graphs.replay(inputs, size, self.read_pending_tokens, intermediate)
         else:
             input_ids, positions, slot_mapping, context_lens, cu_seqlens_q, block_tables = self._to_device(
                 inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.context_lens,
@@ -315,9 +319,6 @@ class Worker(WorkerRollout):
                 input_ids = self.read_pending_tokens(input_ids)
             metadata = self.backend.metadata(inputs.is_prefill, slot_mapping, context_lens, block_tables,
                                              cu_seqlens_q, inputs.context_lens, inputs.cu_seqlens_q)
-            intermediate = None if self.parallel.is_first_stage else receive_activations(
-                len(inputs.input_ids), self.config.model_config.hidden_size, self.config.torch_dtype, self.device,
-                self.rank - self.tp_size)
             with use_metadata(metadata):
                 hidden = self.model(input_ids, positions, intermediate)
             rows = inputs.logits_indices
