@@ -14,7 +14,7 @@
 #                                        # (SHAPE=configs/x.json, default the Qwen3-0.6B shape; bf16 and FP8 KV)
 #   bash scripts/gpu_check.sh peer       # transformers' continuous batching, tuned (CUDA graphs, 256 requests
 #                                        # per batch), on bench.py's workload
-#   bash scripts/gpu_check.sh parallel   # two GPUs: the all-reduce by size, the two-GPU tests, bench_latency and
+#   bash scripts/gpu_check.sh parallel   # two GPUs: the all-reduce by size, the two-GPU tests (TP, PP), bench_latency and
 #                                        # bench.py at TP=1, TP=2 (and with NCCL only) and PP=2, a TP=2 decode profile
 # Arguments after the stage go to its Python commands: `bash scripts/gpu_check.sh latency --enforce-eager`.
 # Logs go to $OUT (or ./gpu_logs).
@@ -110,7 +110,8 @@ fi
 if [ "$stage" = parallel ]; then
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # never multicast
   timeout 120 python scripts/bench_all_reduce.py 2>&1 | tee "$LOGS/all_reduce.log" | grep KiB
-  timeout 200 python -m pytest -q tests/test_all_reduce.py tests/test_shard_sampling.py 2>&1 | tail -2
+  timeout 300 python -m pytest -q tests/test_all_reduce.py tests/test_shard_sampling.py tests/test_pipeline_parallel_gpu.py \
+    2>&1 | tail -2      # the last needs the [structured] extra (xgrammar) on the machine
   for args in "--tensor-parallel-size 1" "--tensor-parallel-size 2" "--tensor-parallel-size 2 --disable-custom-all-reduce"; do
     timeout 150 python bench_latency.py --config configs/qwen3-8b.json --batch-sizes 1,16,64 --output-len 256 $args "$@" \
       2>&1 | tee -a "$LOGS/latency_parallel.log" | grep -E "^batch" | sed "s|^|$args: |"

@@ -56,6 +56,7 @@ class LaunchedStep:
     num_accepted: torch.Tensor | None = None     # row per position, and these were accepted
     logits: torch.Tensor | None = None
     incoming: IncomingLogits | None = None       # pipeline stages: the last stage's logits, on their way
+    launched: torch.cuda.Event | None = None     # pipeline stages on GPUs: its sampling inputs are on the device
     sampling: SamplingTensors | None = None
     prompt_logprobs: PromptLogprobRows | None = None    # prompt positions whose logprobs it computes
     embeddings: torch.Tensor | None = None   # runner="pooling": each sequence's embedding, instead of a token
@@ -83,6 +84,7 @@ class Executor:
         self.ranks_apart = False      # ranks went out of step (see _step_everywhere)
         self.ids_awaited = False      # the other ranks wait for the ids of a step launched unsampled
         self.incoming: deque[IncomingLogits] = deque()   # pipeline stages: posted receives, oldest first
+        self.sample_stream: torch.cuda.Stream | None = None     # pipeline stages on GPUs: see _on_sample_stream
         init_method = None
         if config.world_size > 1:     # tensor-parallel ranks and pipeline stages
             os.environ.update(MULTICAST_OFF)
@@ -94,6 +96,8 @@ class Executor:
         for process in self.processes:   # before the first collective, which would hang on a dead rank
             process.expect(LOADED)
         self.driver.init_kv_cache()
+        if self.driver.is_cuda and config.pipeline_parallel_size > 1:
+            self.sample_stream = torch.cuda.Stream(self.driver.device)
         self.unseeded = np.random.default_rng()
 
     @property
@@ -171,6 +175,9 @@ class Executor:
                 step.incoming = logits
                 self.incoming.append(logits)
                 step.sampling = self.prepare_sampling(seqs) if seqs else None
+                if self.sample_stream is not None:
+                    step.launched = torch.cuda.Event()
+                    step.launched.record()
                 return step
             if prompt_rows is not None:
                 logits = split_prompt_rows(prompt_rows, logits, self.driver.host_to_device)
@@ -205,7 +212,7 @@ class Executor:
         """Queue the sampling of a step launched without it, under the grammars' token bitmask
         (TokenBitmask) if any; under tensor parallelism this ends the step on every rank. Under
         pipeline stages, first wait for its logits from the last stage (and queue its prompt logprobs)."""
-        with self._step_everywhere():
+        with self._step_everywhere(), self._on_sample_stream(step):
             if step.incoming is not None:
                 step.logits = self._watching_ranks(self._receive, step.incoming)
                 step.incoming = None
@@ -216,6 +223,27 @@ class Executor:
             else:                 # a step of prompt logprobs only
                 step.logits = None
             self.ids_awaited = False
+
+    @contextlib.contextmanager
+    def _on_sample_stream(self, step: LaunchedStep):
+        """Under pipeline stages on GPUs rank 0 samples a step on a stream of its own, which waits
+        for the step's launch and its logits only: on the default stream the sampling would queue
+        behind the first stage of every step launched since, and the host would learn the tokens
+        (and schedule those sequences again) a stage's compute later. What it reads, allocated on
+        the default stream, is marked as used by this one, so that memory is not reused before."""
+        if step.launched is None:
+            yield
+            return
+        self.sample_stream.wait_event(step.launched)
+        used = [step.incoming.logits] if step.incoming is not None else []
+        if step.sampling is not None:
+            used += [t for t in (step.sampling.temperatures, step.sampling.seeds, step.sampling.top_k,
+                                 step.sampling.top_p, step.sampling.min_p) if t is not None]
+        for tensor in used:
+            tensor.record_stream(self.sample_stream)
+        step.launched = None
+        with torch.cuda.stream(self.sample_stream):
+            yield
 
     def _receive(self, incoming: IncomingLogits) -> torch.Tensor:
         """Wait for a step's logits; those of steps before it that nobody collects (dropped when
