@@ -18,6 +18,7 @@ overflow the L2 cache, so every call reads its weights from memory, as in a deco
     PYTHONPATH=. python scripts/int_gemm_bench.py --w8a8       # float8 GEMMs at decode batch sizes
     PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemv  # the 4-bit GEMV at M = 1, 2, 4, 8, 16
     PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemv --sweep --batch 1 16   # its launch shapes too
+    PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemv --sweep --batch 32 64 128 256   # tiles of more rows
 
 With --w8a8, the float8 GEMM an FP8 layer runs after quantizing the activations (the route
 Fp8LinearMethod.route picks in nanovllm/quantization/fp8.py: the transposed Triton kernel on
@@ -66,6 +67,12 @@ INT4_GEMV_CANDIDATES = [Int4GemvConfig(*c) for c in [(128, 128, 4, 4), (256, 128
                                                      (128, 128, 4, 6), (64, 128, 4, 4), (64, 128, 2, 6),
                                                      (256, 128, 4, 6), (512, 128, 8, 4), (128, 128, 8, 4),
                                                      (256, 128, 4, 3), (512, 128, 8, 3)]]
+
+# --int4-gemv --sweep above 16 rows: (block_n, block_k, warps, stages, sub_words, block_m), tiles that
+# unpack each weight once for 32-128 rows (issue 48: the 4-bit GEMM from 17 rows)
+INT4_TILE_CANDIDATES = [Int4GemvConfig(*c) for c in [
+    (64, 128, 4, 3, 16, 32), (128, 128, 4, 3, 16, 32), (256, 128, 8, 3, 16, 32), (64, 128, 4, 3, 16, 64),
+    (128, 128, 8, 3, 16, 64), (128, 128, 8, 4, 16, 64), (64, 128, 8, 3, 16, 128), (128, 128, 8, 3, 16, 128)]]
 
 # --int4-gemv --sweep at one row: (block_n, block_k, warps, stages, sub_words), each also with split
 # K at 2, 4, 8, 16 and 32
@@ -264,10 +271,11 @@ def check_int4_gemv() -> None:
         layer = {key: v.cuda() for key, v in awq_for_gemm(t["qweight"], t["qzeros"], t["scales"], dtype).items()}
         args = (layer["qweight"], layer["scales"], layer["scaled_zeros"])
         worst = 0.0
-        for m in (1, 5, 16, 19):
+        for m in (1, 5, 16, 19, 70):
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             ref = int_gemm_ref(x, *args, 4, group).float()
-            candidates = INT4_ONE_ROW_CANDIDATES if m == 1 else INT4_GEMV_CANDIDATES
+            candidates = INT4_ONE_ROW_CANDIDATES if m == 1 else INT4_GEMV_CANDIDATES if m <= 16 else \
+                INT4_TILE_CANDIDATES
             for config in [None] + (candidates if dtype == torch.bfloat16 else []):
                 for split in (None, 1, 3):
                     out = int4_gemv(x, *args, group, config=config, split_k=split).float()
@@ -303,8 +311,9 @@ def int4_gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -
                                     for c in INT4_ONE_ROW_CANDIDATES
                                     for split in (None, 2, 4, 8, 16, 32)], key=lambda timing: timing[0])
                 else:
+                    candidates = INT4_GEMV_CANDIDATES if m <= 16 else INT4_TILE_CANDIDATES
                     timed = sorted([(graph_time(gemv(c, split)), str(tuple(c)), split or "auto")
-                                    for c in INT4_GEMV_CANDIDATES for split in (None, 1)], key=lambda timing: timing[0])
+                                    for c in candidates for split in (None, 1)], key=lambda timing: timing[0])
                 best = ", ".join(f"{t * 1e6:.1f} us {c} split {sp}" for t, c, sp in timed[:6])
             for key, t in (("gemv", t_gemv), ("int_gemm", t_gemm), ("bf16", t16)):
                 totals.setdefault(m, {}).setdefault(key, 0.0)

@@ -65,6 +65,19 @@ def test_group_sizes_and_launch_shapes(group_size, config, monkeypatch):
             torch.testing.assert_close(out, ref, **tolerance(dtype))
 
 
+@pytest.mark.parametrize("block_m,rows", [(32, 40), (64, 70)])
+def test_tiles_of_more_rows(block_m, rows):
+    """Tiles of 32 and 64 rows (each weight unpacked once for all of them): partial row and column
+    tiles, with and without split K."""
+    k, n = 256, 72
+    dtype = DTYPES[0]
+    layer = awq_layer(k, n, 128, dtype, seed=2)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype)
+    for split_k in (1, 2):
+        out, ref = both(x, layer, 128, Int4GemvConfig(64, 128, 4, 2, block_m=block_m), split_k)
+        torch.testing.assert_close(out, ref, **tolerance(dtype))
+
+
 @pytest.mark.parametrize("config", [ONE_ROW_CONFIG, WIDE_ONE_ROW_CONFIG, Int4GemvConfig(32, 128, 1, 1, sub_words=4),
                                     Int4GemvConfig(64, 128, 2, 1, sub_words=16)],
                          ids=["one-row", "wide", "sub4", "sub16"])

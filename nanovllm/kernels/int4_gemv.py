@@ -53,6 +53,8 @@ class Int4GemvConfig(NamedTuple):
     num_warps: int
     num_stages: int
     sub_words: int = 16     # one row: words per sub-step (the rows of a tile each lane holds)
+    block_m: int = 16       # rows per program above one row (the matrix cores' smallest tile: 16);
+                            # larger tiles unpack each weight once for more rows (issue 48's sweep)
 
 
 # 2-16 rows: 256 columns x 16 words a step, ~2.5 SASS instructions per weight in the loop (sm_90, Triton 3.9)
@@ -267,7 +269,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
               gated: bool = False, leave_sums: bool = False) -> torch.Tensor | PendingSums:
     """x [M, K] (last dimension contiguous) @ the 4-bit packed weight -> [M, N] in x's dtype:
     bfloat16/float16 on CUDA (float32 too in the interpreter). Needs gemv_supported(K, group_size,
-    None, 4, config); meant for M <= GEMV_MAX_ROWS (more rows run, 16 at a time). `int_gemm_ref` is the twin.
+    None, 4, config); meant for M <= GEMV_MAX_ROWS (more rows run, config.block_m at a time).
+    `int_gemm_ref` is the twin.
     gated: the weight is a merged [gate; up] matrix and the result silu(gate) * up [M, N // 2]
     (silu_epilogue.py).
     leave_sums: when K is split, return the float32 sums as PendingSums for the next kernel to
@@ -279,7 +282,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
     one_row = m == 1 and k * n >= ONE_ROW_MIN_WEIGHTS
     if config is None:
         config = (WIDE_ONE_ROW_CONFIG if n >= 4 * k else ONE_ROW_CONFIG) if one_row else DEFAULT_CONFIG
-    block_n, block_k, num_warps, num_stages, sub_words = config
+    block_n, block_k, num_warps, num_stages, sub_words, tile_rows = config
     if not gemv_supported(k, group_size, None, 4, config):
         raise ValueError(f"int4_gemv: group_size {group_size} must be at least 128, divide K = {k} and, when "
                          f"larger than block_k {block_k}, be a multiple of it; use int_gemm")
@@ -300,7 +303,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
     out = torch.empty(m, n // 2 if gated else n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_m = 1 if one_row else 16
+    block_m = 1 if one_row else tile_rows
     grid = (column_programs, split_k, triton.cdiv(m, block_m))
     if split_k > 1:   # float32 sums and arrival counts, zero between calls (the kernel leaves them so)
         partial = zeroed_workspace(x.device, torch.float32, max(m * n, 1 << 20))   # 4 MB: settles before graphs
