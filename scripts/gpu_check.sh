@@ -117,8 +117,9 @@ if [ "$stage" = parallel ]; then
       2>&1 | tee -a "$LOGS/latency_parallel.log" | grep -E "^batch" | sed "s|^|$args: |"
   done
   for args in "--tensor-parallel-size 1" "--tensor-parallel-size 2" "--pipeline-parallel-size 2"; do
-    timeout 150 python bench.py --config configs/qwen3-8b.json $args "$@" 2>&1 | tee -a "$LOGS/bench_parallel.log" \
-      | grep Throughput | sed "s|^|$args: |"
+    # with each rank's host time per step (scripts/rank_host_times.py)
+    timeout 150 python scripts/rank_host_times.py bench --config configs/qwen3-8b.json $args "$@" 2>&1 \
+      | tee -a "$LOGS/bench_parallel.log" | grep -E "Throughput|^rank" | sed "s|^|$args: |"
   done
   timeout 120 python scripts/profile_bench.py --config configs/qwen3-8b.json --tensor-parallel-size 2 --decode-batch 1 \
     2>&1 | tee "$LOGS/profile_tp2.log" | grep -A10 window
