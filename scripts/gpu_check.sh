@@ -113,8 +113,8 @@ if [ "$stage" = parallel ]; then
   timeout 300 python -m pytest -q tests/test_all_reduce.py tests/test_shard_sampling.py tests/test_pipeline_parallel_gpu.py \
     2>&1 | tail -2      # the last needs the [structured] extra (xgrammar) on the machine
   for args in "--tensor-parallel-size 1" "--tensor-parallel-size 2" "--tensor-parallel-size 2 --disable-custom-all-reduce"; do
-    timeout 150 python bench_latency.py --config configs/qwen3-8b.json --batch-sizes 1,16,64 --output-len 256 $args "$@" \
-      2>&1 | tee -a "$LOGS/latency_parallel.log" | grep -E "^batch" | sed "s|^|$args: |"
+    timeout 150 python scripts/rank_host_times.py bench_latency --config configs/qwen3-8b.json --batch-sizes 1,16,64 \
+      --output-len 256 $args "$@" 2>&1 | tee -a "$LOGS/latency_parallel.log" | grep -E "^batch|^rank" | sed "s|^|$args: |"
   done
   for args in "--tensor-parallel-size 1" "--tensor-parallel-size 2" "--pipeline-parallel-size 2"; do
     # with each rank's host time per step (scripts/rank_host_times.py)
