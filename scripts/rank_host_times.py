@@ -10,7 +10,8 @@ GPUs").
 
 The arguments after the tool's name go to it. The timers wrap Executor and Worker methods in this
 process and in the ranks it spawns (they import this file again as their main module); each rank
-prints its averages when its worker closes (each engine). Processes only (distributed_executor_backend="mp").
+prints its averages when its worker closes (each engine). Processes only
+(distributed_executor_backend="mp").
 """
 import argparse
 import importlib
@@ -33,7 +34,8 @@ totals: dict[str, tuple[int, float]] = {}     # label -> (calls, seconds) since 
 def report(rank: int) -> None:
     """Print the averages since the last report (an engine's life), and start anew."""
     if totals:
-        line = ", ".join(f"{label} {seconds / calls * 1e3:.3f} ms x{calls}" for label, (calls, seconds) in totals.items())
+        line = ", ".join(f"{label} {seconds / calls * 1e3:.3f} ms x{calls}"
+                         for label, (calls, seconds) in totals.items())
         print(f"rank {rank} (pid {os.getpid()}): {line}", file=sys.stderr, flush=True)
         totals.clear()
 
