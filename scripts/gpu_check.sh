@@ -16,15 +16,19 @@
 #                                        # per batch), on bench.py's workload
 #   bash scripts/gpu_check.sh parallel   # two GPUs: the all-reduce by size, the two-GPU tests (TP, PP), bench_latency and
 #                                        # bench.py at TP=1, TP=2 (and with NCCL only) and PP=2, a TP=2 decode profile
+#   bash scripts/gpu_check.sh four       # four GPUs, Qwen3-32B shape: batch-1 latency at TP=1, 2, 4 and bench.py at
+#                                        # TP=1, 2, 4 and TP=2 x PP=2 (each rank's host time beside each)
+#   bash scripts/gpu_check.sh quant-tp   # two GPUs: bench.py with FP8 weights and the Qwen3-30B-A3B shape, TP=1 and 2
 # Arguments after the stage go to its Python commands: `bash scripts/gpu_check.sh latency --enforce-eager`.
 # Logs go to $OUT (or ./gpu_logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:-}
 case "$stage" in
-  tests|bench|latency|serving|moe|profile|peer|parallel) shift ;;
+  tests|bench|latency|serving|moe|profile|peer|parallel|four|quant-tp) shift ;;
   -h|--help|help) sed -n '2,/^set /p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
-  *) echo "usage: bash scripts/gpu_check.sh tests|bench|latency|serving|moe|profile|peer|parallel [ARGS...] (--help)" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_check.sh tests|bench|latency|serving|moe|profile|peer|parallel|four|quant-tp [ARGS...]" \
+       "(--help)" >&2; exit 2 ;;
 esac
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1   # keep carried wheels (/tmp/site) visible
 LOGS=${OUT:-gpu_logs}
@@ -123,4 +127,27 @@ if [ "$stage" = parallel ]; then
   done
   timeout 120 python scripts/profile_bench.py --config configs/qwen3-8b.json --tensor-parallel-size 2 --decode-batch 1 \
     2>&1 | tee "$LOGS/profile_tp2.log" | grep -A10 window
+fi
+if [ "$stage" = four ] || [ "$stage" = quant-tp ]; then
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # never multicast
+fi
+if [ "$stage" = four ]; then
+  for tp in 1 2 4; do
+    timeout 150 python scripts/rank_host_times.py bench_latency --config configs/qwen3-32b.json --batch-sizes 1 \
+      --output-len 128 --tensor-parallel-size $tp "$@" 2>&1 | tee -a "$LOGS/latency_four.log" | grep -E "^batch|^rank" \
+      | sed "s|^|TP=$tp: |"
+  done
+  for args in "--tensor-parallel-size 1" "--tensor-parallel-size 2" "--tensor-parallel-size 4" \
+              "--tensor-parallel-size 2 --pipeline-parallel-size 2"; do
+    timeout 150 python scripts/rank_host_times.py bench --config configs/qwen3-32b.json $args "$@" 2>&1 \
+      | tee -a "$LOGS/bench_four.log" | grep -E "Throughput|^rank" | sed "s|^|$args: |"
+  done
+fi
+if [ "$stage" = quant-tp ]; then
+  for tp in 1 2; do
+    timeout 150 python bench.py --config configs/qwen3-8b.json --quantization fp8 --kv-cache-dtype fp8 \
+      --tensor-parallel-size $tp "$@" 2>&1 | tee -a "$LOGS/bench_quant_tp.log" | grep Throughput | sed "s|^|FP8 TP=$tp: |"
+    timeout 150 python bench.py --config configs/qwen3-30b-a3b.json --tensor-parallel-size $tp "$@" 2>&1 \
+      | tee -a "$LOGS/bench_quant_tp.log" | grep Throughput | sed "s|^|30B-A3B TP=$tp: |"
+  done
 fi
