@@ -49,7 +49,8 @@ class StepGraphs:
         self.cu_seqlens_q = torch.arange(0, rows + 1, query_len, dtype=torch.int32, device=device)
         # pipeline stages: the previous stage's (hidden states, residual) in, or this stage's out
         self.activations = None if first_stage else torch.zeros(2, rows, hidden_size, dtype=dtype, device=device)
-        self.outputs = torch.zeros(*(() if last_stage else (2,)), rows, hidden_size, dtype=dtype, device=device)
+        self.sends_on = not last_stage
+        self.outputs = torch.zeros(*((2,) if self.sends_on else ()), rows, hidden_size, dtype=dtype, device=device)
         # a padding sequence of a multi-token graph attends to block 0 (reading before its first key
         # would index the block table out of bounds)
         self._padding_context_len = 0 if query_len == 1 else query_len
@@ -87,10 +88,10 @@ class StepGraphs:
             out = model(input_ids[:rows], positions[:rows])
         else:
             out = model(input_ids[:rows], positions[:rows], (self.activations[0, :rows], self.activations[1, :rows]))
-        if self.outputs.dim() == 2:
-            self.outputs[:rows] = out
-        else:
+        if self.sends_on:
             self.outputs[0, :rows], self.outputs[1, :rows] = out
+        else:
+            self.outputs[:rows] = out
 
     def size_for(self, inputs: StepInputs) -> int:
         """The captured batch size that serves this step, or 0 if these graphs cannot."""
@@ -140,6 +141,6 @@ class StepGraphs:
         if activations is not None:
             self.activations[0, :n * width], self.activations[1, :n * width] = activations
         self.graphs[size].replay()
-        if self.outputs.dim() == 3:
+        if self.sends_on:
             return (self.outputs[0, :n * width], self.outputs[1, :n * width]), sampled
         return self.outputs[:n * width], sampled
