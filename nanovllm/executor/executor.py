@@ -19,7 +19,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -237,10 +237,10 @@ class Executor:
         self.sample_stream.wait_event(step.launched)
         used = [step.incoming.logits] if step.incoming is not None else []
         if step.sampling is not None:
-            used += [t for t in (step.sampling.temperatures, step.sampling.seeds, step.sampling.top_k,
-                                 step.sampling.top_p, step.sampling.min_p) if t is not None]
+            used += [getattr(step.sampling, f.name) for f in fields(step.sampling)]
         for tensor in used:
-            tensor.record_stream(self.sample_stream)
+            if isinstance(tensor, torch.Tensor):
+                tensor.record_stream(self.sample_stream)
         step.launched = None
         with torch.cuda.stream(self.sample_stream):
             yield
