@@ -31,6 +31,9 @@ case "$stage" in
        "(--help)" >&2; exit 2 ;;
 esac
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1   # keep carried wheels (/tmp/site) visible
+case "$stage" in   # the stages on several GPUs: never multicast (the engine's ranks set it too)
+  parallel|four|quant-tp) export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 ;;
+esac
 LOGS=${OUT:-gpu_logs}
 mkdir -p "$LOGS"
 
@@ -112,7 +115,6 @@ if [ "$stage" = peer ]; then
     | tee "$LOGS/hf_cb.log" | tail -5
 fi
 if [ "$stage" = parallel ]; then
-  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # never multicast
   timeout 120 python scripts/bench_all_reduce.py 2>&1 | tee "$LOGS/all_reduce.log" | grep KiB
   timeout 300 python -m pytest -q tests/test_all_reduce.py tests/test_shard_sampling.py tests/test_pipeline_parallel_gpu.py \
     2>&1 | tail -2      # the last needs the [structured] extra (xgrammar) on the machine
@@ -127,9 +129,6 @@ if [ "$stage" = parallel ]; then
   done
   timeout 120 python scripts/profile_bench.py --config configs/qwen3-8b.json --tensor-parallel-size 2 --decode-batch 1 \
     2>&1 | tee "$LOGS/profile_tp2.log" | grep -A10 window
-fi
-if [ "$stage" = four ] || [ "$stage" = quant-tp ]; then
-  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # never multicast
 fi
 if [ "$stage" = four ]; then
   for tp in 1 2 4; do
