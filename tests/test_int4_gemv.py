@@ -97,8 +97,8 @@ def test_one_row_sub_steps(config, monkeypatch):
 
 
 @pytest.mark.parametrize("rows,min_weights,config", [(1, 0, ONE_ROW_CONFIG), (1, 0, WIDE_ONE_ROW_CONFIG),
-                                                     (1, None, None), (3, None, None)],
-                         ids=["one-row", "wide", "tile-one-row", "tile"])
+                                                     (1, None, None), (3, None, None), (40, None, None)],
+                         ids=["one-row", "wide", "tile-one-row", "tile", "tile-of-32-rows"])
 def test_gated_is_the_product_then_silu_and_mul(rows, min_weights, config, monkeypatch):
     """gated=True on a merged [gate; up] layer (gate columns 0..N/2, up N/2..N): silu(gate) * up
     from the epilogue, split K or not, bit for bit the unfused GEMV followed by the silu_and_mul
@@ -198,7 +198,7 @@ def test_supported_layers():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the layer sends work to the GEMV on CUDA only (the CPU runs the twin)")
-@pytest.mark.parametrize("rows,expect_gemv", [(1, True), (16, True), (17, False)])
+@pytest.mark.parametrize("rows,expect_gemv", [(1, True), (16, True), (17, True), (64, True), (65, False)])
 def test_weight_only_layer_routes_few_rows_to_the_gemv(monkeypatch, rows, expect_gemv):
     from nanovllm.quantization import weight_only
     from nanovllm.quantization.awq import AWQLinearMethod
