@@ -13,6 +13,7 @@ RAY_ADDRESS or one `ray start` runs on this machine, else starts a local one (sh
 """
 import os
 import socket
+import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -247,9 +248,10 @@ def start_ray_workers(config: Config, multi_token_len: int | None = None) -> tup
 
 def stop_ray_workers(ranks: list[RayRank]) -> None:
     """Close every actor's worker (waiting up to GRACEFUL_STOP_S), kill the actors, remove the
-    placement groups, and shut Ray down if the engine started it."""
+    placement groups (waiting, as long again, until Ray has: an engine started anew right after,
+    as a recovery does, must find their resources free), and shut Ray down if the engine started it."""
     import ray
-    from ray.util.placement_group import remove_placement_group
+    from ray.util.placement_group import placement_group_table, remove_placement_group
     if not ranks or not ray.is_initialized():
         return
     closing = {r.actor.close.remote(): r for r in ranks}
@@ -265,6 +267,10 @@ def stop_ray_workers(ranks: list[RayRank]) -> None:
     group = ranks[0].group
     for g in group.placement_groups:
         remove_placement_group(g)
+    deadline = time.monotonic() + GRACEFUL_STOP_S
+    while (any(placement_group_table(g)["state"] != "REMOVED" for g in group.placement_groups)
+           and time.monotonic() < deadline):
+        time.sleep(0.02)
     group.placement_groups = []
     if group.started_ray:
         ray.shutdown()
