@@ -75,19 +75,24 @@ def prompts() -> list[list[int]]:
     return mixed_prompts(500, lengths=(1, 17, 70, 5, 33)) + [shared + [7, 8], shared + [9] * 20]
 
 
-def watch_in_flight(llm: LLM) -> list[int]:
+def watch_in_flight(llm: LLM) -> tuple[list[int], list[int]]:
     """How many steps are in flight each time the core schedules one (checking that no sequence is in
-    two of them), appended to the list returned."""
-    core, counts = llm.engine.core, []
+    two of them), and how many sequences the step scheduled takes from the oldest of them (whose
+    tokens it then reads on the device; never from the others), appended to the lists returned."""
+    core, counts, taken = llm.engine.core, [], []
     schedule = core.scheduler.schedule
 
     def watched(busy=frozenset()):
         scheduled = [id(seq) for step in core.in_flight for seq in step.scheduled]
         assert len(scheduled) == len(set(scheduled))
         counts.append(len(core.in_flight))
-        return schedule(busy)
+        batch = schedule(busy)
+        for newer in list(core.in_flight)[1:]:
+            assert not set(batch.seqs) & set(newer.scheduled)
+        taken.append(len(set(batch.seqs) & set(core.in_flight[0].scheduled)) if core.in_flight else 0)
+        return batch
     core.scheduler.schedule = watched
-    return counts
+    return counts, taken
 
 
 def generate_with_an_abort(llm: LLM) -> list[list[int]]:
@@ -111,8 +116,9 @@ def run_workload(llm: LLM) -> dict:
     """On one engine: two identical greedy generate calls (the second hits the prefix cache), mixed
     requests (n = 2, a grammar, logprobs, prompt logprobs of a chunked prompt), a beam search, and
     requests stepped with one aborted.
-    Their tokens (and greedy logprobs), the preemptions, and the most steps ever in flight."""
-    in_flight = watch_in_flight(llm)
+    Their tokens (and greedy logprobs), the preemptions, the most steps ever in flight and how many
+    sequences steps took from the oldest step in flight."""
+    in_flight, taken = watch_in_flight(llm)
     greedy = [llm.generate(prompts(), PARAMS, use_tqdm=False) for _ in range(2)]
     assert all(run[-1]["num_cached_tokens"] >= 32 for run in greedy)     # the shared prefix's blocks
     mixed = llm.generate(prompts()[:4], MIXED, use_tqdm=False)
@@ -122,7 +128,8 @@ def run_workload(llm: LLM) -> dict:
                 prompt_logprobs=mixed[2]["prompt_logprobs"],
                 beams=[[b["token_ids"] for b in o["sequences"]] for o in beams],
                 aborted=generate_with_an_abort(llm),
-                preemptions=llm.engine.core.scheduler.num_preemptions, max_in_flight=max(in_flight))
+                preemptions=llm.engine.core.scheduler.num_preemptions, max_in_flight=max(in_flight),
+                taken_from_oldest=sum(taken))
 def generate_twice(path: str, **engine_args) -> tuple[list, int]:
     """Outputs of two identical generate calls (the second hits the prefix cache), and the preemptions."""
     with oversubscribed(engine_args), LLM(path, **TIGHT, **engine_args) as llm:
@@ -184,6 +191,7 @@ def test_two_stages_match_one_and_recover(one_stage, four_layers, hf_greedy):
     with LLM(four_layers, **TIGHT, pipeline_parallel_size=2) as llm:
         got = run_workload(llm)
         assert one_stage["max_in_flight"] == 1 and got["max_in_flight"] == 2     # one step per stage
+        assert got["taken_from_oldest"] > 50          # batches took turns, reading tokens on the device
         assert_same_workload(got, one_stage, 1e-4)
         assert_recovers_with_steps_in_flight(llm, [tokens for tokens, _ in one_stage["greedy"][0]])
     for prompt, (tokens, _) in list(zip(prompts(), one_stage["greedy"][0]))[:3]:     # and one stage is right
@@ -259,7 +267,7 @@ def test_three_stages_uneven_split_and_a_dead_stage(five_layers_untied, hf_greed
     assert (executor.driver.model.start_layer, len(executor.driver.attention_layers)) == (0, 2)
     assert executor.driver.kv_cache.tensor.shape[1] == 2       # the pool holds this stage's layers only
     got = run_workload(llm)
-    assert got["max_in_flight"] == 3
+    assert got["max_in_flight"] == 3 and got["taken_from_oldest"] > 50
     assert_same_workload(got, expected, 1e-4)
     for prompt, (tokens, _) in list(zip(prompts(), expected["greedy"][0]))[:2]:
         assert tokens == hf_greedy(five_layers_untied, prompt, PARAMS.max_tokens)
@@ -320,7 +328,8 @@ def test_a_send_to_a_stage_that_just_died_never_returning_is_an_error(four_layer
 def test_two_stages_of_two_tensor_parallel_ranks(four_layers, one_stage, oversubscribe):
     with LLM(four_layers, **TIGHT, tensor_parallel_size=2, pipeline_parallel_size=2) as llm:
         got = run_workload(llm)
-    assert got["max_in_flight"] == 2
+    # the first stage's two ranks would both need the ids: each batch waits for its tokens on the host
+    assert got["max_in_flight"] == 2 and got["taken_from_oldest"] == 0
     assert_same_workload(got, one_stage, 2e-4)    # tensor parallelism sums in another order
     assert not mp.active_children()
 

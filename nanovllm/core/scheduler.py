@@ -23,10 +23,12 @@ engine collects each step before scheduling the next while the batch is small en
 The scheduler itself launches nothing.
 
 Under pipeline parallelism (P stages) the engine keeps P batches in flight, one per stage, while it
-schedules the next, and a sequence is in at most one of them: its next step needs the tokens of its
-last. `schedule(busy)` leaves out the sequences of the batches in flight until those are collected,
-and a decode batch takes at most a (P + 1)th of the running sequences, so that every batch in flight
-and the next have some.
+schedules the next. `schedule(busy)` leaves out the sequences the next step may not take: those of
+the batches in flight, but for the oldest when its tokens are read on the device
+(Config.stages_read_tokens_on_device): that one is collected right after the launch, and its
+sequences take turns with the others in P batches. Otherwise a sequence is in at most one batch in
+flight, and a decode batch takes at most a (P + 1)th of the running sequences, so that every batch
+in flight and the next have some.
 """
 from bisect import insort
 from collections import deque
@@ -58,9 +60,9 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens      # speculative decoding: k, or 0
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.prefix_cache_host_hits = 0                            # of those found, in the host tier
-        # pipeline stages: the P decode batches in flight and the next share the running sequences
+        # pipeline stages: the decode batches that take turns with the running sequences
         stages = config.pipeline_parallel_size
-        self.num_decode_batches = stages + 1 if stages > 1 else 1
+        self.num_decode_batches = 1 if stages == 1 else stages if config.stages_read_tokens_on_device else stages + 1
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -233,9 +235,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def advance(self, batch: ScheduledBatch) -> list[Sequence]:
+    def advance(self, batch: ScheduledBatch, row_offset: int = 0) -> list[Sequence]:
         """Record what a launched step computes, before its tokens are known: each sequence that
-        samples gets a pending token (see Sequence.pending_row). Returns those sequences."""
+        samples gets a pending token (see Sequence.pending_row), in the device's rows of sampled ids
+        from `row_offset` (LaunchedStep.row_offset). Returns those sequences."""
         sampled = batch.sampled_seqs()
         block_size = self.block_manager.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -251,7 +254,7 @@ class Scheduler:
                 self._fork(seq)
         for row, seq in enumerate(sampled):
             if not seq.is_finished:
-                seq.pending_row = row
+                seq.pending_row = row_offset + row
         return sampled
 
     def fill(self, seqs: list[Sequence], token_ids: list[int],

@@ -29,8 +29,8 @@ class Sequence:
         self.sampling_params = sampling_params
         self.priority = priority          # lower first, under scheduling_policy="priority"
         self.status = SequenceStatus.WAITING
-        # Row of the in-flight step's sampler output that holds this sequence's next token, which the
-        # host has not collected yet (the next step reads it on the device); None when there is none.
+        # Row of the sampled ids on the device (a step in flight's) that holds this sequence's next
+        # token, which the host has not collected yet (the next step reads it there); None when none.
         self.pending_row: int | None = None
         self.num_computed_tokens = 0      # tokens whose K/V are in the cache
         self.num_cached_tokens = 0        # prompt tokens served by the prefix cache at first admission

@@ -75,5 +75,6 @@ class StepInputs:
 
 
 def pending_token_marker(row: int) -> int:
-    """The input id that stands for a token still on the device: row `row` of the last sampler output."""
+    """The input id that stands for a token still on the device: row `row` of the sampled ids it
+    keeps (the last sampler output; under pipeline stages, rows for each step in flight)."""
     return -1 - row

@@ -3,8 +3,9 @@
 The host prepares step N+1 while the device runs step N, whose tokens it collects after (the
 overlap), also under tensor parallelism; a step that speculates or samples beams is collected
 before the next is scheduled. Under pipeline parallelism (P stages) P steps stay in flight, one per
-stage, while the host prepares the next, each of sequences in no other (Scheduler.schedule's
-`busy`): the oldest is collected once the next is launched, or when nothing else can be scheduled.
+stage, while the host prepares the next: the oldest is collected once the next is launched, or when
+nothing else can be scheduled. The next step may take the sequences of the oldest when their tokens
+are read on the device (P batches take turns), never those of the others (Scheduler.schedule's `busy`).
 Sequences are the core's currency: it never sees text (stop strings are the output processor's,
 asked through `finds_stop`) and never builds an output; it lists the requests that finished
 (`finished`), and the engine above turns them into outputs.
@@ -41,8 +42,7 @@ class EngineCore:
         # Tensor-parallel ranks all hold the sampled ids on their device (Worker.run). A pooling
         # request ends with its prefill and must finish before the next step is scheduled: no overlap.
         self.overlap = config.runner == "generate"
-        # Steps left in flight while the host prepares the next: one, or one per pipeline stage; the
-        # stages' batches never share a sequence (the next step of one needs its tokens on the host).
+        # Steps left in flight while the host prepares the next: one, or one per pipeline stage
         self.max_in_flight = config.pipeline_parallel_size
         self.pipelined = config.pipeline_parallel_size > 1
         self.in_flight: deque[LaunchedStep] = deque()     # oldest first
@@ -112,8 +112,7 @@ class EngineCore:
         # proposals are made from every token so far: while speculating, no step overlaps the next
         speculates = self.scheduler.speculates()
         grown = self._collect_all(grammars) if speculates else []
-        busy = {seq for step in self.in_flight for seq in step.scheduled} if self.pipelined else set()
-        batch = self.scheduler.schedule(busy)
+        batch = self.scheduler.schedule(self._busy())
         if batch.seqs and not batch.is_prefill and self.scheduler.speculates():
             self._propose(batch)
         # A constrained sequence's mask depends on the token the step in flight is sampling for it:
@@ -126,7 +125,7 @@ class EngineCore:
         if launched is not None:
             if constrained and launched.logits is not None:   # under stages: sampled when collected
                 self.executor.sample(launched, grammars.token_bitmask(launched.seqs))
-            self.scheduler.advance(batch)
+            self.scheduler.advance(batch, launched.row_offset)
             self.in_flight.append(launched)
             # beams are chosen on the host before their next step: no overlap for a step with beams
             if (not self.overlap or speculates or launched.draft_lens is not None
@@ -135,6 +134,19 @@ class EngineCore:
         self.num_prefill_tokens = batch.num_tokens if batch.is_prefill else 0
         self.num_decode_tokens = 0 if batch.is_prefill else batch.num_tokens
         return grown
+
+    def _busy(self) -> set[Sequence]:
+        """Under pipeline stages, the sequences the next step may not take: those of the steps in
+        flight, but for the oldest's when it is collected right after the launch, was sampled at its
+        own launch and its tokens are read on the device. (Sequences of a later step in flight would
+        then hold two pending tokens.)"""
+        if not self.pipelined:
+            return set()
+        steps = list(self.in_flight)
+        if (self.config.stages_read_tokens_on_device and len(steps) >= self.max_in_flight
+                and steps[0].sampled and not steps[0].draft_lens):
+            steps = steps[1:]
+        return {seq for step in steps for seq in step.scheduled}
 
     def _propose(self, batch) -> None:
         """Ask the proposer for the decode batch's guesses; the scheduler reserves their slots."""

@@ -9,7 +9,10 @@ Under tensor parallelism every rank ends a sampled step holding its ids, for the
 each samples its vocabulary shard when no row needs every logit (sample/shard_sampler.py), or rank 0
 samples the gathered logits and broadcasts the ids; rank 0 decides which, in the step's inputs.
 Under pipeline stages rank 0 runs the first stage and returns; the last stage's logits come back
-when the step is collected (`sample`), so that rank 0 runs the next steps' first stage meanwhile.
+to it later: a step's sampling is queued at its launch to wait for them (on GPUs on a stream of its
+own), or for a constrained step when it is collected (`sample`), so that rank 0 runs the next steps'
+first stage meanwhile. Each step's ids stay on the device at a row offset of their own, for a
+batch's next step to read before they reach the host (Config.stages_read_tokens_on_device).
 It holds the host's view of a step (its sequences); workers hold only tensors. It never decides
 what runs; the scheduler does.
 """
@@ -60,6 +63,7 @@ class LaunchedStep:
     sampling: SamplingTensors | None = None
     prompt_logprobs: PromptLogprobRows | None = None    # prompt positions whose logprobs it computes
     embeddings: torch.Tensor | None = None   # runner="pooling": each sequence's embedding, instead of a token
+    row_offset: int = 0     # where its sampled ids are kept on the device (Worker.keep_token_ids)
 
     @property
     def observed_seqs(self) -> list[Sequence]:
@@ -85,6 +89,8 @@ class Executor:
         self.ids_awaited = False      # the other ranks wait for the ids of a step launched unsampled
         self.incoming: deque[IncomingLogits] = deque()   # pipeline stages: posted receives, oldest first
         self.sample_stream: torch.cuda.Stream | None = None     # pipeline stages on GPUs: see _on_sample_stream
+        self.num_launched = 0
+        self.sampled_events: dict[int, torch.cuda.Event] = {}    # on the sample stream: row offset -> ids written
         init_method = None
         if config.world_size > 1:     # tensor-parallel ranks and pipeline stages
             os.environ.update(MULTICAST_OFF)
@@ -158,7 +164,9 @@ class Executor:
         if prompt_rows is not None:
             inputs.logits_indices = with_prompt_rows(inputs.logits_indices, prompt_rows)
         seqs = batch.sampled_seqs()
-        step = LaunchedStep(seqs, batch.seqs, prompt_logprobs=prompt_rows)
+        step = LaunchedStep(seqs, batch.seqs, prompt_logprobs=prompt_rows, row_offset=self._next_row_offset())
+        if self.sample_stream is not None:
+            self._wait_for_pending_tokens(inputs)
         if self.driver.shares_tokens and seqs and batch.draft_token_ids is None and not self.driver.pooling:
             # every rank gets the sampled ids: sampled on the shards when no row needs every logit
             if sample and prompt_rows is None:
@@ -178,6 +186,8 @@ class Executor:
                 if self.sample_stream is not None:
                     step.launched = torch.cuda.Event()
                     step.launched.record()
+                if sample:      # queued now, it waits for the logits (on the CPU the host does)
+                    self.sample(step)
                 return step
             if prompt_rows is not None:
                 logits = split_prompt_rows(prompt_rows, logits, self.driver.host_to_device)
@@ -199,6 +209,20 @@ class Executor:
             if sample:
                 self._sample(step)
             return step
+
+    def _next_row_offset(self) -> int:
+        """Where the next step's sampled ids are kept on the device: under pipeline stages a slot of
+        max_num_seqs rows per step that can be in flight, in turn (Worker.keep_token_ids)."""
+        slot = self.num_launched % self.driver.num_token_slots
+        self.num_launched += 1
+        return slot * self.config.max_num_seqs
+
+    def _wait_for_pending_tokens(self, inputs: StepInputs) -> None:
+        """Under pipeline stages on GPUs rank 0 samples on its sample stream: the step's first stage
+        (the default stream) waits for the sampling of each step whose ids it reads."""
+        markers = inputs.input_ids[inputs.input_ids < 0]
+        for offset in np.unique((-1 - markers) // self.config.max_num_seqs) * self.config.max_num_seqs:
+            torch.cuda.current_stream(self.driver.device).wait_event(self.sampled_events[int(offset)])
 
     def _verify(self, logits: torch.Tensor, seqs: list[Sequence],
                 drafts: list[list[int]]) -> tuple[SamplerOutput, torch.Tensor]:
@@ -246,11 +270,13 @@ class Executor:
             yield
 
     def _receive(self, incoming: IncomingLogits) -> torch.Tensor:
-        """Wait for a step's logits; those of steps before it that nobody collects (dropped when
-        their requests were aborted) come first, and are thrown away."""
-        while (oldest := self.incoming.popleft()) is not incoming:
-            oldest.wait()
-        return incoming.wait()
+        """Wait for a step's logits (a constrained step's may be waited for after those of later
+        steps: messages between two ranks keep their order, whichever receive is waited for first).
+        The receives of steps nobody collects (dropped when their requests were aborted) stay
+        listed, their buffers alive, until they complete."""
+        logits = incoming.wait()
+        self.incoming = deque(posted for posted in self.incoming if posted is not incoming and not posted.completed)
+        return logits
 
     def discard_in_flight(self) -> None:
         """Forget the steps in flight (a recovery): wait for the logits the last stage still sends
@@ -302,9 +328,11 @@ class Executor:
     def _sample(self, step: LaunchedStep, token_bitmask=None) -> None:
         if token_bitmask is not None:
             step.sampling.token_bitmask, step.sampling.bitmask_rows = token_bitmask.to(self.driver.device)
-        out = self.driver.sample(step.logits, step.sampling)
+        out = self.driver.sample(step.logits, step.sampling, step.row_offset)
         step.logits = step.sampling = None
         self._to_host(step, out)
+        if self.sample_stream is not None:
+            self.sampled_events[step.row_offset] = step.done
 
     def _to_host(self, step: LaunchedStep, out: SamplerOutput) -> None:
         """Start copying a step's sampled tokens to the host; `step.done` marks when they are there."""

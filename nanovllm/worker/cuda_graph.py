@@ -109,11 +109,12 @@ class StepGraphs:
         ids, pos, slots, lens, tables = flat.split([rows] * 3 + [largest, largest * self.width])
         return [ids, pos, slots, lens, tables.view(largest, self.width)]
 
-    def replay(self, inputs: StepInputs, size: int, read_pending_tokens: Callable[[torch.Tensor], torch.Tensor],
+    def replay(self, inputs: StepInputs, size: int, read_pending_tokens: Callable[[torch.Tensor], torch.Tensor] | None,
                activations: tuple[torch.Tensor, torch.Tensor] | None = None,
                ) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], np.ndarray]:
         """Run the step; its hidden states (on a stage before the last, the pair to send on) and the
-        rows of those to sample. `activations`: the previous stage's, on a stage after the first."""
+        rows of those to sample. `activations`: the previous stage's, on a stage after the first (which
+        embeds no ids: `read_pending_tokens` is None there)."""
         n, width = inputs.num_seqs, self.query_len
         host = self.inputs_host.pop(0)
         self.inputs_host.append(host)
@@ -135,7 +136,7 @@ class StepGraphs:
         context_lens[n:size] = self._padding_context_len   # ... and read nothing, or block 0
         block_tables[:n, :inputs.block_tables.shape[1]] = torch.from_numpy(inputs.block_tables)
         self.inputs.copy_(host, non_blocking=True)
-        if inputs.input_ids.min() < 0:
+        if read_pending_tokens is not None and inputs.input_ids.min() < 0:
             ids = self.inputs[:n * width]             # the input-id view comes first
             ids.copy_(read_pending_tokens(ids))
         if activations is not None:

@@ -42,6 +42,10 @@ class IncomingLogits:
     logits: torch.Tensor
     work: dist.Work | None      # None: the step has no logits rows, nothing is sent
 
+    @property
+    def completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()

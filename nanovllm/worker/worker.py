@@ -87,7 +87,9 @@ class Worker(WorkerRollout):
         self.model.eval()
         self.weight_bytes = weight_bytes(self.model)   # this rank's
         self.sampler = Sampler()
-        self.last_token_ids: torch.Tensor | None = None   # the last sampler output, on the device
+        self.last_token_ids: torch.Tensor | None = None   # the sampled ids the next steps read (keep_token_ids)
+        # under pipeline stages rank 0 keeps the ids of each step in flight (and of the next), in rows of their own
+        self.num_token_slots = config.pipeline_parallel_size + 1 if config.pipeline_parallel_size > 1 else 1
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         kv_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8" else config.torch_dtype
         self.backend = choose_attention_backend(self.device, self.attention_layers[0].num_kv_heads, kv_dtype)
@@ -262,14 +264,28 @@ class Worker(WorkerRollout):
         return self.tp_size > 1 and self.parallel.num_stages == 1
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, sampling: SamplingTensors) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, sampling: SamplingTensors, row_offset: int = 0) -> SamplerOutput:
         """Sample the rows of a step's logits (rank 0); the next step reads its pending tokens from
-        the result, on every rank: a tensor-parallel group gets them by broadcast (Worker.run)."""
+        the result, on every rank: a tensor-parallel group gets them by broadcast (Worker.run).
+        `row_offset`: where they go among the sampled ids kept (keep_token_ids)."""
         out = self.sampler(logits, sampling)
         if self.shares_tokens:
             dist.broadcast(out.token_ids, src=0, group=self.parallel.tp_group)
-        self.last_token_ids = out.token_ids
+        self.keep_token_ids(out.token_ids, row_offset)
         return out
+
+    def keep_token_ids(self, token_ids: torch.Tensor, row_offset: int) -> None:
+        """Keep a step's sampled ids for the steps that read them as pending tokens: the last step's
+        alone, or under pipeline stages each step's from its own row offset (a slot of max_num_seqs
+        rows per step that can be in flight, Executor.launch), since a batch's next step reads the
+        ids of the step launched P steps before it."""
+        if self.num_token_slots == 1:
+            self.last_token_ids = token_ids
+            return
+        if self.last_token_ids is None:
+            self.last_token_ids = torch.zeros(self.num_token_slots * self.config.max_num_seqs, dtype=torch.int64,
+                                              device=self.device)
+        self.last_token_ids[row_offset:row_offset + len(token_ids)].copy_(token_ids)
 
     @torch.inference_mode()
     def sample_shard(self, logits: torch.Tensor, sampling: ShardSampling) -> torch.Tensor:
@@ -310,12 +326,14 @@ class Worker(WorkerRollout):
             len(inputs.input_ids), self.config.model_config.hidden_size, self.config.torch_dtype, self.device,
             self.rank - self.tp_size)
         if graphs is not None:
-            hidden, rows = graphs.replay(inputs, size, self.read_pending_tokens, intermediate)
+            # only the first stage embeds the ids (and holds the sampled ones)
+            hidden, rows = graphs.replay(inputs, size, self.read_pending_tokens if intermediate is None else None,
+                                         intermediate)
         else:
             input_ids, positions, slot_mapping, context_lens, cu_seqlens_q, block_tables = self._to_device(
                 inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.context_lens,
                 inputs.cu_seqlens_q, inputs.block_tables)
-            if inputs.input_ids.min() < 0:
+            if intermediate is None and inputs.input_ids.min() < 0:
                 input_ids = self.read_pending_tokens(input_ids)
             metadata = self.backend.metadata(inputs.is_prefill, slot_mapping, context_lens, block_tables,
                                              cu_seqlens_q, inputs.context_lens, inputs.cu_seqlens_q)
@@ -354,7 +372,7 @@ class Worker(WorkerRollout):
             torch.cuda.empty_cache()
 
     def read_pending_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Ids -1 - row stand for tokens the previous step sampled, still only on the device."""
+        """Ids -1 - row stand for sampled tokens still only on the device (keep_token_ids)."""
         rows = (-1 - input_ids).clamp_(min=0)
         return torch.where(input_ids < 0, self.last_token_ids[rows], input_ids)
 
