@@ -190,14 +190,6 @@ class Config:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
-    def stages_read_tokens_on_device(self) -> bool:
-        """Under pipeline stages of one rank each, rank 0 (the first stage) samples every step and
-        keeps its ids, so a batch's next step reads them there and launches before they reach the
-        host. A first stage of several tensor-parallel ranks would need them broadcast: its batches
-        wait for their tokens on the host."""
-        return self.pipeline_parallel_size > 1 and self.tensor_parallel_size == 1
-
-    @property
     def min_kvcache_blocks(self) -> int:
         return -(-self.max_model_len // self.kvcache_block_size)
 

@@ -328,8 +328,8 @@ def test_a_send_to_a_stage_that_just_died_never_returning_is_an_error(four_layer
 def test_two_stages_of_two_tensor_parallel_ranks(four_layers, one_stage, oversubscribe):
     with LLM(four_layers, **TIGHT, tensor_parallel_size=2, pipeline_parallel_size=2) as llm:
         got = run_workload(llm)
-    # the first stage's two ranks would both need the ids: each batch waits for its tokens on the host
-    assert got["max_in_flight"] == 2 and got["taken_from_oldest"] == 0
+    # the first stage's second rank gets the ids its pending tokens read from rank 0
+    assert got["max_in_flight"] == 2 and got["taken_from_oldest"] > 50
     assert_same_workload(got, one_stage, 2e-4)    # tensor parallelism sums in another order
     assert not mp.active_children()
 

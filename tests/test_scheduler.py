@@ -20,11 +20,10 @@ EOS = 1
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
                    max_model_len=256, eos_token_ids=(EOS,), scheduling_policy="fcfs",
-                   pipeline_parallel_size=1, tensor_parallel_size=1) -> Scheduler:
+                   pipeline_parallel_size=1) -> Scheduler:
     config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len, eos_token_ids=eos_token_ids,
-                             scheduling_policy=scheduling_policy, pipeline_parallel_size=pipeline_parallel_size,
-                             stages_read_tokens_on_device=pipeline_parallel_size > 1 and tensor_parallel_size == 1)
+                             scheduling_policy=scheduling_policy, pipeline_parallel_size=pipeline_parallel_size)
     return Scheduler(config, BlockManager(num_blocks, block_size))
 
 
@@ -348,44 +347,12 @@ def test_overlapped_steps_match_the_plain_loop():
 
 
 def test_pipeline_batches_in_flight_match_the_plain_loop():
-    """The engine's order under two pipeline stages of two tensor-parallel ranks (tokens come back
-    to the host before a batch's next step): two batches stay in flight while the next is
-    scheduled, none shares a sequence with another (`busy`), and the oldest is collected once the
-    next is launched or when nothing can be. A batch is computed when launched (the stages run
-    batches in launch order), so it never reads a pending token. A decode batch takes at most a
-    third of the running sequences. With EOS stops, preemption of sequences in flight, chunking and
-    prefix hits, every request ends with a plain loop's output and every K/V read is right."""
-    sched = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=12, max_model_len=48,
-                           pipeline_parallel_size=2, tensor_parallel_size=2)
-    seqs = random_requests(sched, random.Random(2))
-    kv, in_flight, most, steps = {}, deque(), 0, 0    # in_flight: (batch, its sampled seqs, their tokens)
-    while not sched.is_finished() or in_flight:
-        steps += 1
-        assert steps < 5000, "did not finish"
-        busy = {seq for batch, _, _ in in_flight for seq in batch.seqs}
-        num_running = len(sched.running)
-        batch = sched.schedule(busy)
-        assert not busy & set(batch.seqs) and all(seq.pending_row is None for seq in batch.seqs)
-        assert batch.is_prefill or len(batch.seqs) <= -(-num_running // 3)
-        launched = (batch, *compute_on_fake_device(sched, batch, kv, [])) if batch.seqs else None
-        if in_flight and (launched is None or len(in_flight) == 2):
-            _, sampled, tokens = in_flight.popleft()
-            sched.fill(sampled, tokens)
-        if launched:
-            sched.advance(batch)
-            in_flight.append(launched)
-        most = max(most, len(in_flight))
-    assert most == 2
-    assert_plain_loop_outputs(sched, seqs)
-
-
-def test_pipeline_batches_reading_tokens_on_the_device_match_the_plain_loop():
-    """The engine's order under two pipeline stages of one rank each: two batches in flight, and
-    the next may take the oldest's sequences (collected right after the launch), reading their
-    tokens 'on the device' at the oldest's row offset, never those of the newer one. Decode batches
-    take half the running sequences, and some sequence is in two batches in flight. With EOS
-    stops, preemption, chunking and prefix hits, every request ends with a plain loop's output and
-    every K/V read is right."""
+    """The engine's order under two pipeline stages: two batches stay in flight while the next is
+    scheduled, and the oldest is collected once the next is launched or when nothing can be. The
+    next may take the oldest's sequences, reading their tokens 'on the device' at the oldest's row
+    offset (a slot per step in flight), never those of the newer one. Decode batches take half the
+    running sequences. With EOS stops, preemption, chunking and prefix hits, every request ends
+    with a plain loop's output and every K/V read is right."""
     sched = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=12, max_model_len=48,
                            pipeline_parallel_size=2)
     seqs = random_requests(sched, random.Random(2))

@@ -24,11 +24,9 @@ The scheduler itself launches nothing.
 
 Under pipeline parallelism (P stages) the engine keeps P batches in flight, one per stage, while it
 schedules the next. `schedule(busy)` leaves out the sequences the next step may not take: those of
-the batches in flight, but for the oldest when its tokens are read on the device
-(Config.stages_read_tokens_on_device): that one is collected right after the launch, and its
-sequences take turns with the others in P batches. Otherwise a sequence is in at most one batch in
-flight, and a decode batch takes at most a (P + 1)th of the running sequences, so that every batch
-in flight and the next have some.
+the batches in flight, but for the oldest, which is collected right after the launch and whose
+tokens the next step reads on the device. So P batches take turns, and a decode batch takes at
+most a Pth of the running sequences.
 """
 from bisect import insort
 from collections import deque
@@ -60,9 +58,8 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens      # speculative decoding: k, or 0
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.prefix_cache_host_hits = 0                            # of those found, in the host tier
-        # pipeline stages: the decode batches that take turns with the running sequences
-        stages = config.pipeline_parallel_size
-        self.num_decode_batches = 1 if stages == 1 else stages if config.stages_read_tokens_on_device else stages + 1
+        # pipeline stages: the decode batches that take turns with the running sequences, one per stage
+        self.num_decode_batches = config.pipeline_parallel_size
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

@@ -137,14 +137,13 @@ class EngineCore:
 
     def _busy(self) -> set[Sequence]:
         """Under pipeline stages, the sequences the next step may not take: those of the steps in
-        flight, but for the oldest's when it is collected right after the launch, was sampled at its
-        own launch and its tokens are read on the device. (Sequences of a later step in flight would
-        then hold two pending tokens.)"""
+        flight, but for the oldest's when it is collected right after the launch and was sampled at
+        its own launch (the next step reads their tokens on the device). Sequences of a later step
+        in flight would then hold two pending tokens."""
         if not self.pipelined:
             return set()
         steps = list(self.in_flight)
-        if (self.config.stages_read_tokens_on_device and len(steps) >= self.max_in_flight
-                and steps[0].sampled and not steps[0].draft_lens):
+        if len(steps) >= self.max_in_flight and steps[0].sampled:
             steps = steps[1:]
         return {seq for step in steps for seq in step.scheduled}
 

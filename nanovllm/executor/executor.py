@@ -12,7 +12,8 @@ Under pipeline stages rank 0 runs the first stage and returns; the last stage's 
 to it later: a step's sampling is queued at its launch to wait for them (on GPUs on a stream of its
 own), or for a constrained step when it is collected (`sample`), so that rank 0 runs the next steps'
 first stage meanwhile. Each step's ids stay on the device at a row offset of their own, for a
-batch's next step to read before they reach the host (Config.stages_read_tokens_on_device).
+batch's next step to read before they reach the host (the first stage's other tensor-parallel
+ranks get them from rank 0 when a step reads them: Worker.share_pending_tokens).
 It holds the host's view of a step (its sequences); workers hold only tensors. It never decides
 what runs; the scheduler does.
 """

@@ -88,7 +88,7 @@ class Worker(WorkerRollout):
         self.weight_bytes = weight_bytes(self.model)   # this rank's
         self.sampler = Sampler()
         self.last_token_ids: torch.Tensor | None = None   # the sampled ids the next steps read (keep_token_ids)
-        # under pipeline stages rank 0 keeps the ids of each step in flight (and of the next), in rows of their own
+        # under pipeline stages the first stage keeps the ids of each step in flight (and of the next), in rows of their own
         self.num_token_slots = config.pipeline_parallel_size + 1 if config.pipeline_parallel_size > 1 else 1
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         kv_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8" else config.torch_dtype
@@ -282,10 +282,22 @@ class Worker(WorkerRollout):
         if self.num_token_slots == 1:
             self.last_token_ids = token_ids
             return
+        self._token_slots()[row_offset:row_offset + len(token_ids)].copy_(token_ids)
+
+    def _token_slots(self) -> torch.Tensor:
         if self.last_token_ids is None:
             self.last_token_ids = torch.zeros(self.num_token_slots * self.config.max_num_seqs, dtype=torch.int64,
                                               device=self.device)
-        self.last_token_ids[row_offset:row_offset + len(token_ids)].copy_(token_ids)
+        return self.last_token_ids
+
+    def share_pending_tokens(self, input_ids: np.ndarray) -> None:
+        """Under pipeline stages rank 0 alone samples: the first stage's other tensor-parallel ranks,
+        which embed the step's ids too, get the slots its pending tokens are in from it (the
+        executor has made rank 0's stream wait until they are sampled)."""
+        markers = input_ids[input_ids < 0]
+        stride = self.config.max_num_seqs
+        for offset in np.unique((-1 - markers) // stride) * stride:
+            dist.broadcast(self._token_slots()[offset:offset + stride], src=0, group=self.parallel.tp_group)
 
     @torch.inference_mode()
     def sample_shard(self, logits: torch.Tensor, sampling: ShardSampling) -> torch.Tensor:
@@ -320,6 +332,8 @@ class Worker(WorkerRollout):
             self.host_kv_cache.transfer(inputs.kv_offloads, inputs.kv_loads)
         if len(inputs.block_copies):    # copy-on-write of blocks shared by forked sequences
             self.kv_cache.copy_blocks(self.host_to_device(inputs.block_copies))
+        if self.parallel.num_stages > 1 and self.parallel.is_first_stage and self.tp_size > 1:
+            self.share_pending_tokens(inputs.input_ids)
         graphs, size = next(((graphs, size) for graphs in self.graphs if (size := graphs.size_for(inputs))),
                             (None, 0))
         intermediate = None if self.parallel.is_first_stage else receive_activations(
