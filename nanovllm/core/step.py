@@ -78,3 +78,10 @@ def pending_token_marker(row: int) -> int:
     """The input id that stands for a token still on the device: row `row` of the sampled ids it
     keeps (the last sampler output; under pipeline stages, rows for each step in flight)."""
     return -1 - row
+
+
+def pending_slot_offsets(input_ids: np.ndarray, slot_rows: int) -> list[int]:
+    """Under pipeline stages, where the slots (of `slot_rows` rows, one per step in flight) start
+    whose sampled ids a step's pending tokens read."""
+    rows = -1 - input_ids[input_ids < 0]
+    return [int(slot) * slot_rows for slot in np.unique(rows // slot_rows)]

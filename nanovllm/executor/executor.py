@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.core.sequence import Sequence
-from nanovllm.core.step import ScheduledBatch, ShardSampling, StepInputs
+from nanovllm.core.step import ScheduledBatch, ShardSampling, StepInputs, pending_slot_offsets
 from nanovllm.executor.processes import (LOADED, MULTICAST_OFF, WorkerCall, WorkerProcess, deferred_keyboard_interrupt,
                                          start_worker_processes, stop_worker_processes)
 from nanovllm.executor.prompt_logprobs import (PromptLogprobRows, attach_prompt_logprobs, plan_prompt_logprobs,
@@ -221,9 +221,8 @@ class Executor:
     def _wait_for_pending_tokens(self, inputs: StepInputs) -> None:
         """Under pipeline stages on GPUs rank 0 samples on its sample stream: the step's first stage
         (the default stream) waits for the sampling of each step whose ids it reads."""
-        markers = inputs.input_ids[inputs.input_ids < 0]
-        for offset in np.unique((-1 - markers) // self.config.max_num_seqs) * self.config.max_num_seqs:
-            torch.cuda.current_stream(self.driver.device).wait_event(self.sampled_events[int(offset)])
+        for offset in pending_slot_offsets(inputs.input_ids, self.config.max_num_seqs):
+            torch.cuda.current_stream(self.driver.device).wait_event(self.sampled_events[offset])
 
     def _verify(self, logits: torch.Tensor, seqs: list[Sequence],
                 drafts: list[list[int]]) -> tuple[SamplerOutput, torch.Tensor]:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from nanovllm.attention import choose_attention_backend, use_metadata
 from nanovllm.config import Config
-from nanovllm.core.step import SPECULATION_MAX_RUNNING, ShardSampling, StepInputs
+from nanovllm.core.step import SPECULATION_MAX_RUNNING, ShardSampling, StepInputs, pending_slot_offsets
 from nanovllm.kernels.fp8_kv_cache import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
 from nanovllm.layers.all_reduce import start_one_shot_all_reduce, stop_one_shot_all_reduce
 from nanovllm.layers.attention import Attention
@@ -294,10 +294,9 @@ class Worker(WorkerRollout):
         """Under pipeline stages rank 0 alone samples: the first stage's other tensor-parallel ranks,
         which embed the step's ids too, get the slots its pending tokens are in from it (the
         executor has made rank 0's stream wait until they are sampled)."""
-        markers = input_ids[input_ids < 0]
-        stride = self.config.max_num_seqs
-        for offset in np.unique((-1 - markers) // stride) * stride:
-            dist.broadcast(self._token_slots()[offset:offset + stride], src=0, group=self.parallel.tp_group)
+        rows = self.config.max_num_seqs
+        for offset in pending_slot_offsets(input_ids, rows):
+            dist.broadcast(self._token_slots()[offset:offset + rows], src=0, group=self.parallel.tp_group)
 
     @torch.inference_mode()
     def sample_shard(self, logits: torch.Tensor, sampling: ShardSampling) -> torch.Tensor:
