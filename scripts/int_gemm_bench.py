@@ -19,11 +19,17 @@ overflow the L2 cache, so every call reads its weights from memory, as in a deco
     PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemv  # the 4-bit GEMV at M = 1, 2, 4, 8, 16
     PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemv --sweep --batch 1 16   # its launch shapes too
     PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemv --sweep --batch 32 64 128 256   # tiles of more rows
+    PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemm --sweep   # the 4-bit GEMM at 128-1024 rows
 
 With --w8a8, the float8 GEMM an FP8 layer runs after quantizing the activations (the route
 Fp8LinearMethod.route picks in nanovllm/quantization/fp8.py: the transposed Triton kernel on
 decode_tile's tiles up to 256 rows) against torch._scaled_mm with row-wise scales and the plain
 Triton kernel, for per-channel and block [128, 128] weights.
+
+With --int4-gemm, the 4-bit GEMM of decode batches (int4_gemm: weights dequantized by packed 16-bit
+arithmetic, the matrix cores' register operand), checked against its twin in bfloat16 and float16
+first, against int_gemm and the bfloat16 GEMM per projection; --sweep adds its tiles, each with K
+split in one, two and four.
 
 With --int4-gemv, the few-row 4-bit GEMV (int4_gemv: 16-bit floats built by lop3, summed by the
 matrix cores), checked against its twin in bfloat16 and float16 first, against int_gemm and the
@@ -42,6 +48,7 @@ from nanovllm.kernels.fp8_primitives import FP8_DTYPE, QuantizedActivation
 from nanovllm.kernels.fp8_gemv import GemvConfig, fp8_gemv, fp8_gemv_ref
 from nanovllm.kernels.fp8_linear import fp8_matmul, quantize_activation, scaled_mm_per_channel
 from nanovllm.kernels import int4_gemv as int4_gemv_module
+from nanovllm.kernels.int4_gemm import Int4GemmConfig, int4_gemm
 from nanovllm.kernels.int4_gemv import Int4GemvConfig, int4_gemv
 from nanovllm.kernels.int_gemm import DECODE_CONFIG, PREFILL_CONFIG, LaunchConfig, int_gemm, int_gemm_ref
 from nanovllm.quantization.fp8 import GEMV_MAX_ROWS, Fp8LinearMethod
@@ -73,6 +80,10 @@ INT4_GEMV_CANDIDATES = [Int4GemvConfig(*c) for c in [(128, 128, 4, 4), (256, 128
 INT4_TILE_CANDIDATES = [Int4GemvConfig(*c) for c in [
     (64, 128, 4, 3, 16, 32), (128, 128, 4, 3, 16, 32), (256, 128, 8, 3, 16, 32), (64, 128, 4, 3, 16, 64),
     (128, 128, 8, 3, 16, 64), (128, 128, 8, 4, 16, 64), (64, 128, 8, 3, 16, 128), (128, 128, 8, 3, 16, 128)]]
+
+# --int4-gemm --sweep: (block_n, block_m, warps, stages), each with K split in 1, 2 and 4
+INT4_GEMM_CANDIDATES = [Int4GemmConfig(*c) for c in [(64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 4),
+                                                     (64, 64, 4, 4), (128, 128, 8, 3), (128, 64, 8, 3)]]
 
 # --int4-gemv --sweep at one row: (block_n, block_k, warps, stages, sub_words), each also with split
 # K at 2, 4, 8, 16 and 32
@@ -331,6 +342,60 @@ def int4_gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -
           f"PROGRAMS_PER_SM {fp8_gemv_module.PROGRAMS_PER_SM}; GEMV_MAX_ROWS {int4_gemv_module.GEMV_MAX_ROWS}")
 
 
+def check_int4_gemm() -> None:
+    """The 4-bit GEMM (inline PTX) against its twin on a real AWQ layer: row counts, splits, tiles."""
+    k, n, group = 2048, 1040, 128
+    t = quantize_awq(torch.randn(n, k) / k ** 0.5, group)
+    for dtype in (torch.bfloat16, torch.float16):
+        layer = {key: v.cuda() for key, v in awq_for_gemm(t["qweight"], t["qzeros"], t["scales"], dtype).items()}
+        args = (layer["qweight"], layer["scales"], layer["scaled_zeros"])
+        worst = 0.0
+        for m in (65, 128, 200, 256):
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            ref = int_gemm_ref(x, *args, 4, group).float()
+            for config in [None] + (INT4_GEMM_CANDIDATES if dtype == torch.bfloat16 else []):
+                for split in (None, 1, 3):
+                    out = int4_gemm(x, *args, group, config=config, split_k=split).float()
+                    worst = max(worst, ((out - ref).abs().max() / ref.abs().max()).item())
+        print(f"int4 GEMM vs twin, {dtype}, worst max-abs error / max |y|: {worst:.2e}")
+        assert worst < 2e-2, (dtype, worst)
+
+
+def int4_gemm_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> None:
+    """The 4-bit GEMM against int_gemm and the bfloat16 GEMM, per projection and M."""
+    dtype, group = torch.bfloat16, args.group_size
+    totals = {}
+    print(f"{'layer':13} {'M':>5} {'gemm us':>8} {'int_gemm us':>11} {'bf16 us':>8} {'speedup':>8}  best sweep")
+    for name, (k, n) in shapes.items():
+        layers = copies_beyond_l2(lambda: random_layer(k, n, group, dtype), k * n // 2 + 4 * (k // group) * n)
+        weights16 = bf16_copies(n, k, dtype)
+        for m in args.batch:
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+
+            def gemm(config=None, split=None):
+                return [lambda l=l: int4_gemm(x, l["qweight"], l["scales"], l["scaled_zeros"], group,
+                                              config=config, split_k=split) for l in layers]
+            t = {"gemm": graph_time(gemm()),
+                 "int_gemm": graph_time([lambda l=l: int_gemm(x, l["qweight"], l["scales"], l["scaled_zeros"], 4,
+                                                              group) for l in layers]),
+                 "bf16": graph_time([lambda w=w: F.linear(x, w) for w in weights16])}
+            best = ""
+            if args.sweep:
+                timed = sorted([(graph_time(gemm(c, split)), str(tuple(c)), split)
+                                for c in INT4_GEMM_CANDIDATES for split in (1, 2, 4)], key=lambda timing: timing[0])
+                best = ", ".join(f"{tt * 1e6:.1f} us {c} split {sp}" for tt, c, sp in timed[:4])
+            for key, v in t.items():
+                totals.setdefault(m, {}).setdefault(key, 0.0)
+                totals[m][key] += v
+            print(f"{name:13} {m:5d} {t['gemm'] * 1e6:8.1f} {t['int_gemm'] * 1e6:11.1f} {t['bf16'] * 1e6:8.1f} "
+                  f"{t['int_gemm'] / t['gemm']:8.2f}  {best}", flush=True)
+        del layers, weights16
+        torch.cuda.empty_cache()
+    for m, t in totals.items():
+        print(f"M={m:<5d} four projections x{num_layers} layers: int4 gemm {num_layers * t['gemm'] * 1e3:.2f} ms, "
+              f"int_gemm {num_layers * t['int_gemm'] * 1e3:.2f} ms, bf16 {num_layers * t['bf16'] * 1e3:.2f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/qwen3-8b.json")
@@ -342,6 +407,7 @@ def main() -> None:
     parser.add_argument("--programs-per-sm", type=int, help="the GEMVs' split-K target (PROGRAMS_PER_SM)")
     parser.add_argument("--w8a8", action="store_true", help="float8 GEMMs (quantized activations) at decode sizes")
     parser.add_argument("--int4-gemv", action="store_true", help="the 4-bit GEMV against int_gemm and bf16")
+    parser.add_argument("--int4-gemm", action="store_true", help="the 4-bit GEMM against int_gemm and bf16")
     args = parser.parse_args()
     with open(args.config) as f:
         model = json.load(f)
@@ -351,7 +417,8 @@ def main() -> None:
     # mode -> (default rows, the kernels' check against their twins, the timing table)
     modes = {"w8a8": ([16, 32, 64, 96, 128, 160, 192, 224, 256, 512], None, w8a8_table),
              "gemv": ([1, 2, 4, 8, 16], check_gemv, gemv_table),
-             "int4_gemv": ([1, 2, 4, 8, 16], check_int4_gemv, int4_gemv_table)}
+             "int4_gemv": ([1, 2, 4, 8, 16], check_int4_gemv, int4_gemv_table),
+             "int4_gemm": ([128, 192, 256, 512, 1024], check_int4_gemm, int4_gemm_table)}
     for mode, (rows, check_kernels, table) in modes.items():
         if getattr(args, mode):
             args.batch = args.batch or rows

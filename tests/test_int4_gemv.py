@@ -138,13 +138,27 @@ def test_magic_halves_are_offset_plus_q(dtype):
     assert torch.equal((q | bits).view(dtype).float(), q.float() + offset)
 
 
-def run_ptx(asm: str, a: int, b: int = 0) -> list[int]:
-    """The 8 outputs of unpack_asm's program for the input words a ($8) and b ($9), or of
-    unpack_f32_asm's for a, unsigned 32-bit."""
-    regs = {"$8": a, "$9": b}
+def packed_halves(value: int, dtype: torch.dtype) -> torch.Tensor:
+    """A 32-bit register as its two 16-bit floats (low half first)."""
+    return torch.tensor([value & 0xFFFF, value >> 16], dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+def pack_halves(halves: torch.Tensor) -> int:
+    bits = halves.view(torch.int16).to(torch.int32) & 0xFFFF
+    return int(bits[0]) | int(bits[1]) << 16
+
+
+PACKED_FLOATS = {"bf16x2": torch.bfloat16, "f16x2": torch.float16}
+
+
+def run_ptx(asm: str, a: int, b: int = 0, c: int = 0, d: int = 0) -> list[int]:
+    """The 8 outputs of a PTX program of this package for the input registers a ($8), b ($9),
+    c ($10) and d ($11), unsigned 32-bit: int4_gemv's unpack_asm and unpack_f32_asm, int4_gemm's
+    dequantize_asm. Packed 16-bit float arithmetic is computed exactly (float64) and rounded once."""
+    regs = {"$8": a, "$9": b, "$10": c, "$11": d}
     value = lambda operand: regs[operand] if operand in regs else int(operand, 0)
-    instructions = [re.fullmatch(r"(prmt\.b32|shr\.u32|shr\.b32|shl\.b32|lop3\.b32) (.+);", line.strip())
-                    for line in asm.splitlines()]
+    pattern = r"(prmt\.b32|shr\.u32|shr\.b32|shl\.b32|lop3\.b32|mov\.b32|sub\.rn\.\w+|fma\.rn\.\w+) (.+);"
+    instructions = [re.fullmatch(pattern, line.strip()) for line in asm.splitlines()]
     assert sum(map(bool, instructions)) == sum(line.strip().endswith(";") for line in asm.splitlines() if
                                                not line.strip().startswith(".reg"))   # every instruction known
     for op, operands in [m.groups() for m in instructions if m]:
@@ -157,6 +171,13 @@ def run_ptx(asm: str, a: int, b: int = 0) -> list[int]:
             regs[dest] = v[0] >> v[1]
         elif op == "shl.b32":
             regs[dest] = (v[0] << v[1]) & 0xFFFFFFFF
+        elif op == "mov.b32":
+            regs[dest] = v[0]
+        elif op.startswith(("sub.rn.", "fma.rn.")):     # per 16-bit half, one rounding
+            dtype = PACKED_FLOATS[op.split(".")[-1]]
+            h = [packed_halves(x, dtype).double() for x in v]
+            exact = h[0] - h[1] if op.startswith("sub") else h[0] * h[1] + h[2]
+            regs[dest] = pack_halves(exact.to(dtype))
         else:                  # bit j of the result: bit (a_j b_j c_j as a 3-bit number) of the table
             regs[dest] = sum(((v[3] >> (((v[0] >> j) & 1) << 2 | ((v[1] >> j) & 1) << 1 | ((v[2] >> j) & 1))) & 1) << j
                              for j in range(32))
@@ -171,7 +192,7 @@ def test_ptx_turns_two_words_into_their_rows(dtype):
     for a, b in [(0, 0xFFFFFFFF), (0x76543210, 0xFEDCBA98)] + [(rng.getrandbits(32), rng.getrandbits(32))
                                                                for _ in range(50)]:
         for i, out in enumerate(run_ptx(asm, a, b)):
-            halves = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(dtype)
+            halves = packed_halves(out, dtype)
             expected = torch.tensor([(a >> 4 * i) & 0xF, (b >> 4 * i) & 0xF]).float() + offset
             assert torch.equal(halves.float(), expected), (hex(a), hex(b), i)
 

@@ -35,11 +35,11 @@ from nanovllm.kernels.silu_epilogue import gated_columns, silu_and_mul_store
 from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
 from nanovllm.kernels.zeroed_workspace import PendingSums, zeroed_workspace
 
-# The weight-only linear sends 4-bit products of at most this many rows here on CUDA (the rest to
-# int_gemm). Measured with `scripts/int_gemm_bench.py --int4-gemv` (Qwen3-8B projections of 36
+# The weight-only linear sends 4-bit products of at most this many rows here on CUDA (more to
+# int4_gemm, then int_gemm). Measured with `scripts/int_gemm_bench.py --int4-gemv` (Qwen3-8B projections of 36
 # layers, docs/benchmarks.md): on one H100 2.82 ms (the 16-row tile; element-wise now 2.15) against
 # int_gemm's 4.46 at one row, 4.11 against 4.69 at 16; on one H200, in TILE_CONFIG's tiles, 3.99 ms
-# against 6.01 at 32 rows and 6.53 against 7.03 at 64; from 128 rows int_gemm wins (11.88 against 12.35).
+# against 6.01 at 32 rows and 6.53 against 7.03 at 64 (int4_gemm 6.60 at 65 rows).
 GEMV_MAX_ROWS = 64
 
 # The 16-bit float whose halves the unpacking writes q into: bit pattern and value, by activation dtype.

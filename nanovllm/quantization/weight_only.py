@@ -1,12 +1,14 @@
 """What AWQ and GPTQ share: integer weights with a scale and zero per group of input rows, turned
 once after loading into the layout of nanovllm/kernels/int_gemm.py and multiplied there (on the
-GPU, 16-bit activations; a few rows of 4 bits by nanovllm/kernels/int4_gemv.py) or by its torch
-twin (on the CPU, and for float32). Activations stay unquantized: weight-only quantization.
+GPU, 16-bit activations; 4 bits by nanovllm/kernels/int4_gemv.py up to 64 rows and
+nanovllm/kernels/int4_gemm.py up to 512) or by its torch twin (on the CPU, and for float32).
+Activations stay unquantized: weight-only quantization.
 """
 import torch
 from torch import nn
 
 from nanovllm.kernels import int4_gemv as int4_gemv_module
+from nanovllm.kernels.int4_gemm import GEMM_MAX_ROWS, gemm_supported, int4_gemm
 from nanovllm.kernels.int4_gemv import gemv_supported, int4_gemv
 from nanovllm.kernels.int_gemm import int_gemm, int_gemm_ref
 from nanovllm.quantization.base import LinearMethod
@@ -38,6 +40,12 @@ class WeightOnlyIntMethod(LinearMethod):
         return x.is_cuda and x.dtype != torch.float32 and x.shape[0] <= int4_gemv_module.GEMV_MAX_ROWS \
             and gemv_supported(x.shape[1], layer.group_size, layer.g_idx, self.bits)
 
+    def takes_gemm(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether x [M, K] goes through the 4-bit GEMM of decode batches: 16-bit rows on the GPU, up
+        to GEMM_MAX_ROWS (more, as in prefills, take int_gemm)."""
+        return x.is_cuda and x.dtype != torch.float32 and x.shape[0] <= GEMM_MAX_ROWS \
+            and gemm_supported(x.shape[1], layer.group_size, layer.g_idx, self.bits)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # the Triton kernels on the GPU for 16-bit activations (a few rows of 4 bits: the GEMV);
         # the twin on the CPU and for float32
@@ -49,6 +57,8 @@ class WeightOnlyIntMethod(LinearMethod):
             y = int4_gemv(x2, layer.qweight, layer.scales, layer.scaled_zeros, layer.group_size, leave_sums=leave_sums)
             if leave_sums:
                 return y
+        elif self.takes_gemm(layer, x2):
+            y = int4_gemm(x2, layer.qweight, layer.scales, layer.scaled_zeros, layer.group_size)
         else:
             gemm = int_gemm if x.is_cuda and x.dtype != torch.float32 else int_gemm_ref
             y = gemm(x2, layer.qweight, layer.scales, layer.scaled_zeros, self.bits, layer.group_size, layer.g_idx)

@@ -1,0 +1,185 @@
+"""Products of 65-512 rows (decode batches) with 4-bit weights in int_gemm's layout (AWQ and GPTQ after
+loading): y = x @ W, W[k, n] = q[k, n] * scales[g, n] - scaled_zeros[g, n], g = k // group_size.
+
+From about a hundred rows the matrix cores are the pace, so the weight must reach them as 16-bit
+floats for about one instruction a weight. The product runs swapped, out^T = W^T x^T: a tile of
+the weight is dequantized in registers and is the register operand of the matrix cores, the rows
+of x come through shared memory. Two packed words a, b of one column (input rows 8r + i and
+8(r + 1) + i in bits [4i, 4i + 4)) give 16 weights in about 32 instructions (`dequantize_asm`):
+int4_gemv's unpacking to 16-bit floats OFFSET + q (a prmt per half word, a shift and a lop3 per
+row), then per pair of weights one packed subtract of OFFSET (exact) and one packed fused
+multiply-add, q * s - z, rounded once as the twin rounds it. A register so holds rows 8r + i and
+8(r + 1) + i of one column; the 8 results are joined into one [128, BLOCK_N] tile whose row 16i + r
+is input row 8r + i (joins and reshapes that only rename registers), and x comes interleaved to
+match (`interleave_rows`: x[:, 8r + i] moved to column 16i + r of each 128), so a step of 128
+input rows is one product, its x tile loaded ahead by the software pipeline with the packed words.
+A step lies inside one group: groups of at least 128 rows that divide K. Few column tiles (o_proj,
+down_proj) leave SMs idle, so K is split there and the splits add into float32 sums.
+Triton's CPU interpreter runs no inline PTX: there the weight is dequantized by integer shifts and
+float32 math. The torch twin is int_gemm's: `int_gemm_ref`.
+"""
+from typing import NamedTuple
+
+import torch
+
+from nanovllm.kernels.int4_gemv import MAGIC
+from nanovllm.kernels.triton_compat import tl, triton
+
+STEP = 128          # input rows per loop step: 16 packed words of each column
+
+
+class Int4GemmConfig(NamedTuple):
+    block_n: int        # output columns per program (the matrix cores' M side, 64 per warp group)
+    block_m: int        # rows of x per program (their N side: each weight dequantized once for them)
+    num_warps: int
+    num_stages: int
+
+
+# From sweeps of the Qwen3-8B projections on one H200 (`scripts/int_gemm_bench.py --int4-gemm --sweep`,
+# docs/benchmarks.md): up to 128 rows tiles of 64 columns, K split in two (four projections of 36 layers
+# 6.86 ms at 128 rows, int_gemm 11.94); from 129 rows tiles of 128 x 128 in two warp groups, K split
+# in two where K >= N (o_proj, down_proj: few column tiles, long runs of K): 10.27 ms at 256 rows
+# (11.47 split everywhere), int_gemm 15.00; 19.89 against 24.44 at 512 rows. At 1,024 rows int_gemm
+# wins (31.3 against 37.7 ms).
+FEW_ROWS_CONFIG = Int4GemmConfig(64, 128, 4, 3)
+MANY_ROWS_CONFIG = Int4GemmConfig(128, 128, 8, 4)
+GEMM_MAX_ROWS = 512     # the weight-only linear sends 65-512 rows here on CUDA
+
+
+def dequantize_asm(dtype: torch.dtype) -> str:
+    """The PTX that turns two words a ($8), b ($9) of one column, with that column's scale pair
+    ($10) and negated scaled zero pair ($11), into their 8 rows of weights: $i = (row i of b) << 16
+    | (row i of a), each q * s - z in 16 bits. prmt gathers the low (rows 0-3) and the high (rows
+    4-7) halves of both words; per row a shift and a lop3, (t & 0x000F000F) | MAGIC, make the pair
+    OFFSET + q (int4_gemv.unpack_asm); sub removes OFFSET exactly and fma scales, rounding once."""
+    magic_bits, _ = MAGIC[dtype]
+    kind = "bf16x2" if dtype == torch.bfloat16 else "f16x2"
+    magic = f"{magic_bits * 0x10001:#010x}"
+    lines = ["prmt.b32 lo, $8, $9, 0x5410;", "prmt.b32 hi, $8, $9, 0x7632;", f"mov.b32 m, {magic};"]
+    for i in range(8):
+        half, shift = ("lo", "hi")[i // 4], 4 * (i % 4)
+        source = half
+        if shift:
+            lines.append(f"shr.u32 t, {half}, {shift};")
+            source = "t"
+        lines.append(f"lop3.b32 t, {source}, 0x000F000F, {magic}, 0xEA;")
+        lines.append(f"sub.rn.{kind} t, t, m;")
+        lines.append(f"fma.rn.{kind} ${i}, t, $10, $11;")
+    return "{\n.reg .b32 lo, hi, t, m;\n" + "\n".join(lines) + "\n}"
+
+
+@triton.jit
+def _dequantize_row(words, s, neg_z, I: tl.constexpr, DTYPE: tl.constexpr):
+    """Row I of each word as weights q * s - z in DTYPE, by integer and float32 math (the interpreter's path)."""
+    q = ((words >> (4 * I)) & 0xF).to(tl.float32)
+    return (q * s.to(tl.float32) + neg_z.to(tl.float32)).to(DTYPE)
+
+
+@triton.jit
+def _dequantize_rows(words, s, neg_z, ASM: tl.constexpr, USE_PTX: tl.constexpr, DTYPE: tl.constexpr):
+    """The 8 rows of each word as weights in DTYPE (s and neg_z broadcast to the words' shape)."""
+    if USE_PTX:
+        rows = tl.inline_asm_elementwise(
+            asm=ASM, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", args=[words, s, neg_z],
+            dtype=(tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16),
+            is_pure=True, pack=2)
+        return (rows[0].to(DTYPE, bitcast=True), rows[1].to(DTYPE, bitcast=True), rows[2].to(DTYPE, bitcast=True),
+                rows[3].to(DTYPE, bitcast=True), rows[4].to(DTYPE, bitcast=True), rows[5].to(DTYPE, bitcast=True),
+                rows[6].to(DTYPE, bitcast=True), rows[7].to(DTYPE, bitcast=True))
+    else:
+        return (_dequantize_row(words, s, neg_z, 0, DTYPE), _dequantize_row(words, s, neg_z, 1, DTYPE),
+                _dequantize_row(words, s, neg_z, 2, DTYPE), _dequantize_row(words, s, neg_z, 3, DTYPE),
+                _dequantize_row(words, s, neg_z, 4, DTYPE), _dequantize_row(words, s, neg_z, 5, DTYPE),
+                _dequantize_row(words, s, neg_z, 6, DTYPE), _dequantize_row(words, s, neg_z, 7, DTYPE))
+
+
+@triton.jit(do_not_specialize=["M"])   # one compiled kernel for every row count
+def _int4_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, K, K_PER_SPLIT,
+                      GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
+                      ASM: tl.constexpr, USE_PTX: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                      NUM_STAGES: tl.constexpr):
+    WORDS: tl.constexpr = 16
+    STEP: tl.constexpr = 128
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)   # row tiles of one column tile run together: one weight read
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    dtype = x_ptr.dtype.element_ty
+    slab = tl.arange(0, WORDS)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)     # out^T
+    k_start = tl.program_id(2) * K_PER_SPLIT
+    for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), STEP, num_stages=NUM_STAGES):
+        kw = k0 // 8 + slab
+        words = tl.load(qweight_ptr + kw[:, None] * N + cols[None, :], mask=col_ok[None, :], other=0)
+        group = k0 // GROUP_SIZE
+        s = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0)
+        neg_z = -tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0)
+        w = _dequantize_rows(words, tl.broadcast_to(s[None, :], (WORDS, BLOCK_N)),
+                             tl.broadcast_to(neg_z[None, :], (WORDS, BLOCK_N)), ASM, USE_PTX, dtype)
+        # the step's weights as one [STEP, BLOCK_N] tile, row 16i + r holding input row 8r + i (joins
+        # and reshapes only rename registers: no data moves)
+        pairs = (tl.join(w[0], w[1]), tl.join(w[2], w[3]), tl.join(w[4], w[5]), tl.join(w[6], w[7]))
+        quads = (tl.join(pairs[0], pairs[1]), tl.join(pairs[2], pairs[3]))
+        tile = tl.reshape(tl.permute(tl.join(quads[0], quads[1]), (4, 3, 2, 0, 1)), (STEP, BLOCK_N))
+        # x interleaved to match: its columns 16i + r of this step are x's 8r + i
+        x = tl.load(x_ptr + rows[:, None] * K + (k0 + tl.arange(0, STEP))[None, :], mask=row_ok[:, None], other=0.0)
+        acc = tl.dot(tl.trans(tile), tl.trans(x), acc, input_precision=INPUT_PRECISION)
+    out = out_ptr + rows[:, None] * N + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT:
+        # relaxed: the sums are read only after this kernel ends
+        tl.atomic_add(out, tl.trans(acc), mask=mask, sem="relaxed")
+    else:
+        tl.store(out, tl.trans(acc).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def interleave_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> the copy int4_gemm reads: in each run of 128 columns, column 8r + i moved to 16i + r."""
+    m, k = x.shape
+    return x.reshape(m, k // STEP, STEP // 8, 8).transpose(2, 3).reshape(m, k)
+
+
+def gemm_supported(k: int, group_size: int, g_idx: torch.Tensor | None, bits: int) -> bool:
+    """Whether int4_gemm takes this layer: 4 bits, groups that are runs of at least 128 rows dividing K."""
+    return bits == 4 and g_idx is None and group_size % STEP == 0 and k % group_size == 0
+
+
+def launch_for(m: int, n: int, k: int) -> tuple[Int4GemmConfig, int]:
+    """The tile and the K split for an [m, k] @ [k, n] product."""
+    if m <= 128:
+        return FEW_ROWS_CONFIG, 2
+    return MANY_ROWS_CONFIG, 2 if k >= n else 1
+
+
+def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,
+              group_size: int, config: Int4GemmConfig | None = None, split_k: int | None = None) -> torch.Tensor:
+    """x [M, K] @ the 4-bit packed weight -> [M, N] in x's dtype: bfloat16/float16 on CUDA (float32
+    too in the interpreter). Needs gemm_supported(K, group_size, None, 4). `int_gemm_ref` is the twin."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    if not gemm_supported(k, group_size, None, 4):
+        raise ValueError(f"int4_gemm: group_size {group_size} must be a multiple of {STEP} dividing K = {k}; "
+                         "use int_gemm")
+    if x.is_cuda and x.dtype not in MAGIC:
+        raise TypeError(f"int4_gemm: x must be bfloat16 or float16 on CUDA, got {x.dtype}")
+    if qweight.shape[0] * 8 != k:
+        raise ValueError(f"int4_gemm: qweight has {qweight.shape[0]} packed rows, K = {k} needs {k // 8}")
+    chosen, chosen_split = launch_for(m, n, k)
+    block_n, block_m, num_warps, num_stages = config or chosen
+    split_k = max(1, min(split_k or chosen_split, k // STEP))
+    k_per_split = triton.cdiv(k // STEP, split_k) * STEP
+    split_k = triton.cdiv(k, k_per_split)
+    # split K: the splits add into float32 sums
+    out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k > 1 else \
+        torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.to(x.dtype)
+    use_ptx = x.is_cuda and x.dtype in MAGIC
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
+    _int4_gemm_kernel[grid](interleave_rows(x), qweight, scales, scaled_zeros, out, m, n, k, k_per_split,
+                            GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_M=block_m, SPLIT=split_k > 1,
+                            ASM=dequantize_asm(x.dtype) if use_ptx else "", USE_PTX=use_ptx,
+                            INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+                            NUM_STAGES=num_stages, num_warps=num_warps)
+    return out.to(x.dtype)

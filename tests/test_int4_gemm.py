@@ -1,0 +1,111 @@
+"""The 4-bit GEMM of decode batches against int_gemm's torch twin (interpreter on the CPU: float32
+and float16 through float32 dequantization; bfloat16 and float16 through the inline PTX on CUDA):
+row and column tiles with partial edges, K split or not, groups of one step and of several, the
+interleaved x it reads; its PTX, emulated instruction by instruction (tests/test_int4_gemv.py's
+run_ptx), dequantizes two words into q * s - z rounded once; the weight-only layer sends 65-512
+rows to it on CUDA."""
+
+import random
+
+import pytest
+import torch
+
+from nanovllm.kernels.int4_gemm import (GEMM_MAX_ROWS, Int4GemmConfig, dequantize_asm, gemm_supported, int4_gemm,
+                                        interleave_rows, launch_for)
+from nanovllm.kernels.int_gemm import int_gemm_ref
+from tests.test_int4_gemv import DEVICE, DTYPES, awq_layer, pack_halves, packed_halves, run_ptx, tolerance
+
+
+def both(x, layer, group_size, config=None, split_k=None):
+    args = (layer["qweight"], layer["scales"], layer["scaled_zeros"])
+    return int4_gemm(x, *args, group_size, config=config, split_k=split_k), int_gemm_ref(x, *args, 4, group_size)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,split_k", [(1, 1), (65, 2), (130, 1), (130, 3)])
+def test_matches_twin(dtype, rows, split_k):
+    """130 rows: two row tiles of 64, the second partial; 200 columns: a partial column tile; K = 512
+    split in 3: uneven runs of steps."""
+    k, n, group_size = 512, 200, 128
+    layer = awq_layer(k, n, group_size, dtype, seed=2)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE, dtype)
+    out, ref = both(x, layer, group_size, Int4GemmConfig(64, 64, 4, 2), split_k)
+    assert out.dtype == dtype and out.shape == (rows, n)
+    torch.testing.assert_close(out, ref, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("group_size", [256, 512])      # two steps per group; one group (per channel)
+def test_groups_of_several_steps_and_the_chosen_launch(group_size):
+    k, n = 512, 96
+    dtype = DTYPES[0]
+    layer = awq_layer(k, n, group_size, dtype, seed=3)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype)
+    out, ref = both(x, layer, group_size)
+    torch.testing.assert_close(out, ref, **tolerance(dtype))
+
+
+def test_launch_choice():
+    """Up to 128 rows narrow tiles, K split in two; more rows wide tiles, K split where K >= N."""
+    few, split = launch_for(100, 4096, 4096)
+    assert few.block_m == 128 and split == 2
+    many, split = launch_for(256, 6144, 4096)
+    assert many.block_m == 128 and many.block_n > few.block_n and split == 1
+    assert launch_for(256, 4096, 12288)[1] == 2
+
+
+def test_interleave_moves_column_8r_plus_i_to_16i_plus_r():
+    x = torch.arange(2 * 256, dtype=torch.float32).reshape(2, 256)
+    moved = interleave_rows(x)
+    for base in (0, 128):
+        for r in range(16):
+            for i in range(8):
+                assert torch.equal(moved[:, base + 16 * i + r], x[:, base + 8 * r + i])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ptx_dequantizes_two_words(dtype):
+    """dequantize_asm: output i holds row i of a (low half) and of b (high half) as q * s - z in
+    dtype, rounded once, for the column's scale and negated zero pairs ($10, $11)."""
+    asm = dequantize_asm(dtype)
+    rng = random.Random(0)
+    for trial in range(40):
+        a, b = rng.getrandbits(32), rng.getrandbits(32)
+        if trial == 0:
+            a, b = 0, 0xFFFFFFFF
+        s = torch.tensor([rng.uniform(1e-3, 2e-2), rng.uniform(1e-3, 2e-2)]).to(dtype)
+        z = (torch.tensor([rng.randrange(16), rng.randrange(16)]) * s.float()).to(dtype)
+        outs = run_ptx(asm, a, b, pack_halves(s), pack_halves(-z))
+        for i, out in enumerate(outs):
+            q = torch.tensor([(a >> 4 * i) & 0xF, (b >> 4 * i) & 0xF]).double()
+            expected = (q * s.double() - z.double()).to(dtype)
+            assert torch.equal(packed_halves(out, dtype), expected), (hex(a), hex(b), i)
+
+
+def test_supported_layers():
+    assert gemm_supported(4096, 128, None, 4) and gemm_supported(4096, 4096, None, 4)
+    assert not gemm_supported(4096, 64, None, 4)        # a step of 128 rows spans two groups
+    assert not gemm_supported(4096, 128, None, 8)
+    assert not gemm_supported(4096, 128, torch.arange(4096) // 128, 4)     # act order
+    with pytest.raises(ValueError, match="group_size"):
+        layer = awq_layer(256, 32, 64, DTYPES[0])
+        int4_gemm(torch.zeros(70, 256, device=DEVICE, dtype=DTYPES[0]), layer["qweight"], layer["scales"],
+                  layer["scaled_zeros"], 64)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the layer sends work to the Triton kernels on CUDA only")
+@pytest.mark.parametrize("rows,expect_gemm", [(64, False), (65, True), (GEMM_MAX_ROWS, True),
+                                              (GEMM_MAX_ROWS + 1, False)])
+def test_weight_only_layer_routes_decode_batches_to_the_gemm(monkeypatch, rows, expect_gemm):
+    from nanovllm.quantization import weight_only
+    from nanovllm.quantization.awq import AWQLinearMethod
+    calls = []
+    monkeypatch.setattr(weight_only, "int4_gemm", lambda *a, **kw: calls.append(1) or int4_gemm(*a, **kw))
+    layer = torch.nn.Module()
+    for name, t in awq_layer(256, 64, 128, torch.bfloat16).items():
+        setattr(layer, name, t)
+    layer.group_size, layer.g_idx = 128, None
+    x = torch.randn(rows, 256, device=DEVICE, dtype=torch.bfloat16)
+    out = AWQLinearMethod(128).apply(layer, x)
+    assert bool(calls) == expect_gemm
+    torch.testing.assert_close(out, int_gemm_ref(x, layer.qweight, layer.scales, layer.scaled_zeros, 4, 128),
+                               rtol=2e-2, atol=2e-2)
