@@ -83,7 +83,8 @@ INT4_TILE_CANDIDATES = [Int4GemvConfig(*c) for c in [
 
 # --int4-gemm --sweep: (block_n, block_m, warps, stages), each with K split in 1, 2 and 4
 INT4_GEMM_CANDIDATES = [Int4GemmConfig(*c) for c in [(64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 4),
-                                                     (64, 64, 4, 4), (128, 128, 8, 3), (128, 64, 8, 3)]]
+                                                     (64, 64, 4, 2), (64, 128, 4, 2), (128, 128, 8, 2),
+                                                     (128, 64, 8, 2), (64, 128, 8, 3), (64, 256, 8, 2)]]
 
 # --int4-gemv --sweep at one row: (block_n, block_k, warps, stages, sub_words), each also with split
 # K at 2, 4, 8, 16 and 32

@@ -44,6 +44,25 @@ def test_groups_of_several_steps_and_the_chosen_launch(group_size):
     torch.testing.assert_close(out, ref, **tolerance(dtype))
 
 
+def test_split_k_leaves_its_workspace_zero():
+    """The last split of each tile writes the output and clears the sums and arrival counts, so
+    the next call (another shape, then the first again) starts from zeros."""
+    from nanovllm.kernels.zeroed_workspace import zeroed_workspace
+    dtype = DTYPES[0]
+    small, large = awq_layer(256, 48, 128, dtype, seed=5), awq_layer(512, 96, 128, dtype, seed=6)
+    x_small = torch.randn(70, 256, generator=torch.Generator().manual_seed(8)).to(DEVICE, dtype)
+    x_large = torch.randn(66, 512, generator=torch.Generator().manual_seed(9)).to(DEVICE, dtype)
+    config = Int4GemmConfig(32, 64, 4, 2)
+    first, ref = both(x_small, small, 128, config, split_k=2)
+    torch.testing.assert_close(first, ref, **tolerance(dtype))
+    workspace = lambda: [zeroed_workspace(x_small.device, kind, 0) for kind in (torch.float32, torch.int32)]
+    assert not any(buffer.any() for buffer in workspace())
+    out, ref = both(x_large, large, 128, config, split_k=4)
+    torch.testing.assert_close(out, ref, **tolerance(dtype))
+    assert torch.equal(both(x_small, small, 128, config, split_k=2)[0], first)
+    assert not any(buffer.any() for buffer in workspace())
+
+
 def test_launch_choice():
     """Up to 128 rows narrow tiles, K split in two; more rows wide tiles, K split where K >= N."""
     few, split = launch_for(100, 4096, 4096)

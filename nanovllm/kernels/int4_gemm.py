@@ -14,7 +14,8 @@ is input row 8r + i (joins and reshapes that only rename registers), and x comes
 match (`interleave_rows`: x[:, 8r + i] moved to column 16i + r of each 128), so a step of 128
 input rows is one product, its x tile loaded ahead by the software pipeline with the packed words.
 A step lies inside one group: groups of at least 128 rows that divide K. Few column tiles (o_proj,
-down_proj) leave SMs idle, so K is split there and the splits add into float32 sums.
+down_proj) leave SMs idle, so K is split there: the splits add into float32 sums in a zeroed
+workspace and the last to arrive writes the output (no kernels around this one).
 Triton's CPU interpreter runs no inline PTX: there the weight is dequantized by integer shifts and
 float32 math. The torch twin is int_gemm's: `int_gemm_ref`.
 """
@@ -24,6 +25,7 @@ import torch
 
 from nanovllm.kernels.int4_gemv import MAGIC
 from nanovllm.kernels.triton_compat import tl, triton
+from nanovllm.kernels.zeroed_workspace import zeroed_workspace
 
 STEP = 128          # input rows per loop step: 16 packed words of each column
 
@@ -37,10 +39,10 @@ class Int4GemmConfig(NamedTuple):
 
 # From sweeps of the Qwen3-8B projections on one H200 (`scripts/int_gemm_bench.py --int4-gemm --sweep`,
 # docs/benchmarks.md): up to 128 rows tiles of 64 columns, K split in two (four projections of 36 layers
-# 6.86 ms at 128 rows, int_gemm 11.94); from 129 rows tiles of 128 x 128 in two warp groups, K split
-# in two where K >= N (o_proj, down_proj: few column tiles, long runs of K): 10.27 ms at 256 rows
-# (11.47 split everywhere), int_gemm 15.00; 19.89 against 24.44 at 512 rows. At 1,024 rows int_gemm
-# wins (31.3 against 37.7 ms).
+# 6.59 ms at 128 rows, int_gemm 11.83); from 129 rows tiles of 128 x 128 in two warp groups, K split
+# in two where K >= N (o_proj, down_proj: few column tiles, long runs of K): 10.24 ms at 256 rows
+# (11.47 split everywhere), int_gemm 14.90; 19.89 against 24.44 at 512 rows. At 1,024 rows int_gemm
+# wins (31.3 against 37.7 ms). Two pipeline stages (more programs per SM) ranked in no projection's best four.
 FEW_ROWS_CONFIG = Int4GemmConfig(64, 128, 4, 3)
 MANY_ROWS_CONFIG = Int4GemmConfig(128, 128, 8, 4)
 GEMM_MAX_ROWS = 512     # the weight-only linear sends 65-512 rows here on CUDA
@@ -93,8 +95,9 @@ def _dequantize_rows(words, s, neg_z, ASM: tl.constexpr, USE_PTX: tl.constexpr, 
                 _dequantize_row(words, s, neg_z, 6, DTYPE), _dequantize_row(words, s, neg_z, 7, DTYPE))
 
 
-@triton.jit(do_not_specialize=["M"])   # one compiled kernel for every row count
-def _int4_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, K, K_PER_SPLIT,
+@triton.jit(do_not_specialize=["M", "NUM_SPLITS"])   # one compiled kernel for every row and split count
+def _int4_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partial_ptr, arrivals_ptr,
+                      M, N, K, K_PER_SPLIT, NUM_SPLITS,
                       GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
                       ASM: tl.constexpr, USE_PTX: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                       NUM_STAGES: tl.constexpr):
@@ -125,13 +128,21 @@ def _int4_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, 
         # x interleaved to match: its columns 16i + r of this step are x's 8r + i
         x = tl.load(x_ptr + rows[:, None] * K + (k0 + tl.arange(0, STEP))[None, :], mask=row_ok[:, None], other=0.0)
         acc = tl.dot(tl.trans(tile), tl.trans(x), acc, input_precision=INPUT_PRECISION)
-    out = out_ptr + rows[:, None] * N + cols[None, :]
+    offsets = rows[:, None] * N + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT:
-        # relaxed: the sums are read only after this kernel ends
-        tl.atomic_add(out, tl.trans(acc), mask=mask, sem="relaxed")
+        # the splits of a tile add into float32 sums in a workspace; the last to arrive writes the
+        # output and leaves the sums and its arrival count at zero for the next call (as int4_gemv)
+        tl.atomic_add(partial_ptr + offsets, tl.trans(acc), mask=mask, sem="relaxed")
+        tl.debug_barrier()     # every thread's sums are in before the tile counts this program as arrived
+        arrivals = arrivals_ptr + pid_n * tl.num_programs(0) + pid_m
+        if tl.atomic_add(arrivals, 1, sem="acq_rel") == NUM_SPLITS - 1:
+            total = tl.load(partial_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(partial_ptr + offsets, tl.zeros_like(total), mask=mask)
+            tl.store(arrivals, 0)
     else:
-        tl.store(out, tl.trans(acc).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + offsets, tl.trans(acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def interleave_rows(x: torch.Tensor) -> torch.Tensor:
@@ -170,16 +181,19 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
     split_k = max(1, min(split_k or chosen_split, k // STEP))
     k_per_split = triton.cdiv(k // STEP, split_k) * STEP
     split_k = triton.cdiv(k, k_per_split)
-    # split K: the splits add into float32 sums
-    out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k > 1 else \
-        torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
-        return out.to(x.dtype)
+        return out
     use_ptx = x.is_cuda and x.dtype in MAGIC
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
-    _int4_gemm_kernel[grid](interleave_rows(x), qweight, scales, scaled_zeros, out, m, n, k, k_per_split,
-                            GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_M=block_m, SPLIT=split_k > 1,
-                            ASM=dequantize_asm(x.dtype) if use_ptx else "", USE_PTX=use_ptx,
+    if split_k > 1:   # float32 sums and arrival counts, zero between calls (the kernel leaves them so)
+        partial = zeroed_workspace(x.device, torch.float32, m * n)
+        arrivals = zeroed_workspace(x.device, torch.int32, grid[0] * grid[1])
+    else:
+        partial = arrivals = out   # unused
+    _int4_gemm_kernel[grid](interleave_rows(x), qweight, scales, scaled_zeros, out, partial, arrivals, m, n, k,
+                            k_per_split, split_k, GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_M=block_m,
+                            SPLIT=split_k > 1, ASM=dequantize_asm(x.dtype) if use_ptx else "", USE_PTX=use_ptx,
                             INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
                             NUM_STAGES=num_stages, num_warps=num_warps)
-    return out.to(x.dtype)
+    return out
