@@ -273,27 +273,31 @@ def w8a8_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> Non
               + ", ".join(f"{key} {v * num_layers * 1e3:.2f}" for key, v in t.items()))
 
 
-def check_int4_gemv() -> None:
-    """The 4-bit GEMV (inline PTX) against its twin on a real AWQ layer: row counts, split K, launch
-    shapes (in bfloat16; float16 the default shape). 1040 columns: a partial tile, and the sizes'
-    divisibility of the model's, so the timings reuse these compiled kernels."""
+def check_against_twin(name: str, kernel, rows: tuple[int, ...], candidates) -> None:
+    """A 4-bit kernel (inline PTX) against its twin on a real AWQ layer: row counts, split K, launch
+    shapes (`candidates(m)`, in bfloat16; float16 the default shape). 1040 columns: a partial tile,
+    and the sizes' divisibility of the model's, so the timings reuse these compiled kernels."""
     k, n, group = 2048, 1040, 128
     t = quantize_awq(torch.randn(n, k) / k ** 0.5, group)
     for dtype in (torch.bfloat16, torch.float16):
         layer = {key: v.cuda() for key, v in awq_for_gemm(t["qweight"], t["qzeros"], t["scales"], dtype).items()}
         args = (layer["qweight"], layer["scales"], layer["scaled_zeros"])
         worst = 0.0
-        for m in (1, 5, 16, 19, 70):
+        for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             ref = int_gemm_ref(x, *args, 4, group).float()
-            candidates = INT4_ONE_ROW_CANDIDATES if m == 1 else INT4_GEMV_CANDIDATES if m <= 16 else \
-                INT4_TILE_CANDIDATES
-            for config in [None] + (candidates if dtype == torch.bfloat16 else []):
+            for config in [None] + (candidates(m) if dtype == torch.bfloat16 else []):
                 for split in (None, 1, 3):
-                    out = int4_gemv(x, *args, group, config=config, split_k=split).float()
+                    out = kernel(x, *args, group, config=config, split_k=split).float()
                     worst = max(worst, ((out - ref).abs().max() / ref.abs().max()).item())
-        print(f"int4 GEMV vs twin, {dtype}, worst max-abs error / max |y|: {worst:.2e}")
+        print(f"{name} vs twin, {dtype}, worst max-abs error / max |y|: {worst:.2e}")
         assert worst < 2e-2, (dtype, worst)
+
+
+def check_int4_gemv() -> None:
+    check_against_twin("int4 GEMV", int4_gemv, (1, 5, 16, 19, 70),
+                       lambda m: INT4_ONE_ROW_CANDIDATES if m == 1 else INT4_GEMV_CANDIDATES if m <= 16 else
+                       INT4_TILE_CANDIDATES)
 
 
 def int4_gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> None:
@@ -344,22 +348,7 @@ def int4_gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -
 
 
 def check_int4_gemm() -> None:
-    """The 4-bit GEMM (inline PTX) against its twin on a real AWQ layer: row counts, splits, tiles."""
-    k, n, group = 2048, 1040, 128
-    t = quantize_awq(torch.randn(n, k) / k ** 0.5, group)
-    for dtype in (torch.bfloat16, torch.float16):
-        layer = {key: v.cuda() for key, v in awq_for_gemm(t["qweight"], t["qzeros"], t["scales"], dtype).items()}
-        args = (layer["qweight"], layer["scales"], layer["scaled_zeros"])
-        worst = 0.0
-        for m in (65, 128, 200, 256):
-            x = torch.randn(m, k, device="cuda", dtype=dtype)
-            ref = int_gemm_ref(x, *args, 4, group).float()
-            for config in [None] + (INT4_GEMM_CANDIDATES if dtype == torch.bfloat16 else []):
-                for split in (None, 1, 3):
-                    out = int4_gemm(x, *args, group, config=config, split_k=split).float()
-                    worst = max(worst, ((out - ref).abs().max() / ref.abs().max()).item())
-        print(f"int4 GEMM vs twin, {dtype}, worst max-abs error / max |y|: {worst:.2e}")
-        assert worst < 2e-2, (dtype, worst)
+    check_against_twin("int4 GEMM", int4_gemm, (65, 128, 200, 256), lambda m: INT4_GEMM_CANDIDATES)
 
 
 def int4_gemm_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> None:

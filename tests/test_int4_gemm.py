@@ -13,7 +13,8 @@ import torch
 from nanovllm.kernels.int4_gemm import (GEMM_MAX_ROWS, Int4GemmConfig, dequantize_asm, gemm_supported, int4_gemm,
                                         interleave_rows, launch_for)
 from nanovllm.kernels.int_gemm import int_gemm_ref
-from tests.test_int4_gemv import DEVICE, DTYPES, awq_layer, pack_halves, packed_halves, run_ptx, tolerance
+from tests.test_int4_gemv import (DEVICE, DTYPES, assert_layer_routes, assert_splits_leave_the_workspace_zero, awq_layer,
+                                  pack_halves, packed_halves, run_ptx, tolerance)
 
 
 def both(x, layer, group_size, config=None, split_k=None):
@@ -45,22 +46,7 @@ def test_groups_of_several_steps_and_the_chosen_launch(group_size):
 
 
 def test_split_k_leaves_its_workspace_zero():
-    """The last split of each tile writes the output and clears the sums and arrival counts, so
-    the next call (another shape, then the first again) starts from zeros."""
-    from nanovllm.kernels.zeroed_workspace import zeroed_workspace
-    dtype = DTYPES[0]
-    small, large = awq_layer(256, 48, 128, dtype, seed=5), awq_layer(512, 96, 128, dtype, seed=6)
-    x_small = torch.randn(70, 256, generator=torch.Generator().manual_seed(8)).to(DEVICE, dtype)
-    x_large = torch.randn(66, 512, generator=torch.Generator().manual_seed(9)).to(DEVICE, dtype)
-    config = Int4GemmConfig(32, 64, 4, 2)
-    first, ref = both(x_small, small, 128, config, split_k=2)
-    torch.testing.assert_close(first, ref, **tolerance(dtype))
-    workspace = lambda: [zeroed_workspace(x_small.device, kind, 0) for kind in (torch.float32, torch.int32)]
-    assert not any(buffer.any() for buffer in workspace())
-    out, ref = both(x_large, large, 128, config, split_k=4)
-    torch.testing.assert_close(out, ref, **tolerance(dtype))
-    assert torch.equal(both(x_small, small, 128, config, split_k=2)[0], first)
-    assert not any(buffer.any() for buffer in workspace())
+    assert_splits_leave_the_workspace_zero(both, (70, 66), Int4GemmConfig(32, 64, 4, 2))
 
 
 def test_launch_choice():
@@ -115,16 +101,4 @@ def test_supported_layers():
 @pytest.mark.parametrize("rows,expect_gemm", [(64, False), (65, True), (GEMM_MAX_ROWS, True),
                                               (GEMM_MAX_ROWS + 1, False)])
 def test_weight_only_layer_routes_decode_batches_to_the_gemm(monkeypatch, rows, expect_gemm):
-    from nanovllm.quantization import weight_only
-    from nanovllm.quantization.awq import AWQLinearMethod
-    calls = []
-    monkeypatch.setattr(weight_only, "int4_gemm", lambda *a, **kw: calls.append(1) or int4_gemm(*a, **kw))
-    layer = torch.nn.Module()
-    for name, t in awq_layer(256, 64, 128, torch.bfloat16).items():
-        setattr(layer, name, t)
-    layer.group_size, layer.g_idx = 128, None
-    x = torch.randn(rows, 256, device=DEVICE, dtype=torch.bfloat16)
-    out = AWQLinearMethod(128).apply(layer, x)
-    assert bool(calls) == expect_gemm
-    torch.testing.assert_close(out, int_gemm_ref(x, layer.qweight, layer.scales, layer.scaled_zeros, 4, 128),
-                               rtol=2e-2, atol=2e-2)
+    assert_layer_routes(monkeypatch, "int4_gemm", rows, expect_gemm)

@@ -221,39 +221,49 @@ def test_supported_layers():
 @pytest.mark.skipif(DEVICE != "cuda", reason="the layer sends work to the GEMV on CUDA only (the CPU runs the twin)")
 @pytest.mark.parametrize("rows,expect_gemv", [(1, True), (16, True), (17, True), (64, True), (65, False)])
 def test_weight_only_layer_routes_few_rows_to_the_gemv(monkeypatch, rows, expect_gemv):
+    assert_layer_routes(monkeypatch, "int4_gemv", rows, expect_gemv)
+
+
+def assert_layer_routes(monkeypatch, kernel: str, rows: int, expect_kernel: bool) -> None:
+    """Whether an AWQ layer's product of `rows` rows goes through weight_only's `kernel`, and that it
+    matches the twin either way."""
     from nanovllm.quantization import weight_only
     from nanovllm.quantization.awq import AWQLinearMethod
-    calls = []
-    monkeypatch.setattr(weight_only, "int4_gemv", lambda *a, **kw: calls.append(1) or int4_gemv(*a, **kw))
+    calls, run = [], getattr(weight_only, kernel)
+    monkeypatch.setattr(weight_only, kernel, lambda *a, **kw: calls.append(1) or run(*a, **kw))
     layer = torch.nn.Module()
     for name, t in awq_layer(256, 64, 128, torch.bfloat16).items():
         setattr(layer, name, t)
     layer.group_size, layer.g_idx = 128, None
     x = torch.randn(rows, 256, device=DEVICE, dtype=torch.bfloat16)
     out = AWQLinearMethod(128).apply(layer, x)
-    assert bool(calls) == expect_gemv
+    assert bool(calls) == expect_kernel
     torch.testing.assert_close(out, int_gemm_ref(x, layer.qweight, layer.scales, layer.scaled_zeros, 4, 128),
                                rtol=2e-2, atol=2e-2)
 
 
-def test_split_k_leaves_its_workspace_zero():
+def assert_splits_leave_the_workspace_zero(both, rows: tuple[int, int], config) -> None:
     """The last split of each tile writes the output and clears the sums and arrival counts, so
-    the next call (another shape, then the first again) starts from zeros."""
+    the next call (another shape, then the first again) starts from zeros. `both(x, layer, group,
+    config, split_k)` -> (kernel's output, twin's)."""
     from nanovllm.kernels.zeroed_workspace import zeroed_workspace
     dtype = DTYPES[0]
     small, large = awq_layer(256, 48, 128, dtype, seed=5), awq_layer(512, 96, 128, dtype, seed=6)
-    x_small = torch.randn(3, 256, generator=torch.Generator().manual_seed(8)).to(DEVICE, dtype)
-    x_large = torch.randn(2, 512, generator=torch.Generator().manual_seed(9)).to(DEVICE, dtype)
-    first, ref = both(x_small, small, 128, Int4GemvConfig(16, 128, 4, 2), split_k=2)
+    x_small = torch.randn(rows[0], 256, generator=torch.Generator().manual_seed(8)).to(DEVICE, dtype)
+    x_large = torch.randn(rows[1], 512, generator=torch.Generator().manual_seed(9)).to(DEVICE, dtype)
+    workspace_is_zero = lambda: not any(zeroed_workspace(x_small.device, kind, 0).any()
+                                        for kind in (torch.float32, torch.int32))
+    first, ref = both(x_small, small, 128, config, split_k=2)
     torch.testing.assert_close(first, ref, **tolerance(dtype))
-    floats, counts = (zeroed_workspace(x_small.device, kind, 0) for kind in (torch.float32, torch.int32))
-    assert not floats.any() and not counts.any()
-    out, ref = both(x_large, large, 128, split_k=4)
+    assert workspace_is_zero()
+    out, ref = both(x_large, large, 128, None, split_k=4)
     torch.testing.assert_close(out, ref, **tolerance(dtype))
-    again, _ = both(x_small, small, 128, Int4GemvConfig(16, 128, 4, 2), split_k=2)
-    assert torch.equal(again, first)
-    floats, counts = (zeroed_workspace(x_small.device, kind, 0) for kind in (torch.float32, torch.int32))
-    assert not floats.any() and not counts.any()
+    assert torch.equal(both(x_small, small, 128, config, split_k=2)[0], first)
+    assert workspace_is_zero()
+
+
+def test_split_k_leaves_its_workspace_zero():
+    assert_splits_leave_the_workspace_zero(both, (3, 2), Int4GemvConfig(16, 128, 4, 2))
 
 
 @pytest.mark.parametrize("rows", [1, 3])

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from nanovllm.kernels.int4_gemv import MAGIC
+from nanovllm.kernels.int4_gemv import MAGIC, bitcast_rows
 from nanovllm.kernels.triton_compat import tl, triton
 from nanovllm.kernels.zeroed_workspace import zeroed_workspace
 
@@ -85,9 +85,7 @@ def _dequantize_rows(words, s, neg_z, ASM: tl.constexpr, USE_PTX: tl.constexpr, 
             asm=ASM, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", args=[words, s, neg_z],
             dtype=(tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16),
             is_pure=True, pack=2)
-        return (rows[0].to(DTYPE, bitcast=True), rows[1].to(DTYPE, bitcast=True), rows[2].to(DTYPE, bitcast=True),
-                rows[3].to(DTYPE, bitcast=True), rows[4].to(DTYPE, bitcast=True), rows[5].to(DTYPE, bitcast=True),
-                rows[6].to(DTYPE, bitcast=True), rows[7].to(DTYPE, bitcast=True))
+        return bitcast_rows(rows, DTYPE)
     else:
         return (_dequantize_row(words, s, neg_z, 0, DTYPE), _dequantize_row(words, s, neg_z, 1, DTYPE),
                 _dequantize_row(words, s, neg_z, 2, DTYPE), _dequantize_row(words, s, neg_z, 3, DTYPE),

@@ -138,6 +138,14 @@ def _unpack_rows_f32(words, ASM: tl.constexpr, USE_PTX: tl.constexpr):
 
 
 @triton.jit
+def bitcast_rows(rows, DTYPE: tl.constexpr):
+    """The 8 int16 tensors an unpacking program writes, read as DTYPE."""
+    return (rows[0].to(DTYPE, bitcast=True), rows[1].to(DTYPE, bitcast=True), rows[2].to(DTYPE, bitcast=True),
+            rows[3].to(DTYPE, bitcast=True), rows[4].to(DTYPE, bitcast=True), rows[5].to(DTYPE, bitcast=True),
+            rows[6].to(DTYPE, bitcast=True), rows[7].to(DTYPE, bitcast=True))
+
+
+@triton.jit
 def _unpack_rows(words, ASM: tl.constexpr, MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr, USE_PTX: tl.constexpr,
                  DTYPE: tl.constexpr):
     """The 8 rows of each word, row i as a tensor of OFFSET + q in DTYPE."""
@@ -148,9 +156,7 @@ def _unpack_rows(words, ASM: tl.constexpr, MAGIC_BITS: tl.constexpr, OFFSET: tl.
             constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r", args=[words],
             dtype=(tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16),
             is_pure=True, pack=2)
-        return (rows[0].to(DTYPE, bitcast=True), rows[1].to(DTYPE, bitcast=True), rows[2].to(DTYPE, bitcast=True),
-                rows[3].to(DTYPE, bitcast=True), rows[4].to(DTYPE, bitcast=True), rows[5].to(DTYPE, bitcast=True),
-                rows[6].to(DTYPE, bitcast=True), rows[7].to(DTYPE, bitcast=True))
+        return bitcast_rows(rows, DTYPE)
     else:
         return (_row(words, 0, MAGIC_BITS, OFFSET, DTYPE), _row(words, 1, MAGIC_BITS, OFFSET, DTYPE),
                 _row(words, 2, MAGIC_BITS, OFFSET, DTYPE), _row(words, 3, MAGIC_BITS, OFFSET, DTYPE),
