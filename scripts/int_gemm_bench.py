@@ -28,8 +28,8 @@ Triton kernel, for per-channel and block [128, 128] weights.
 
 With --int4-gemm, the 4-bit GEMM of decode batches (int4_gemm: weights dequantized by packed 16-bit
 arithmetic, the matrix cores' register operand), checked against its twin in bfloat16 and float16
-first, against int_gemm and the bfloat16 GEMM per projection; --sweep adds its tiles, each with K
-split in one, two and four.
+first, against int_gemm, the prefills' path (the weight dequantized, then cuBLAS) and the bfloat16
+GEMM per projection; --sweep adds its tiles, each with K split in one, two and four.
 
 With --int4-gemv, the few-row 4-bit GEMV (int4_gemv: 16-bit floats built by lop3, summed by the
 matrix cores), checked against its twin in bfloat16 and float16 first, against int_gemm and the
@@ -50,6 +50,7 @@ from nanovllm.kernels.fp8_linear import fp8_matmul, quantize_activation, scaled_
 from nanovllm.kernels import int4_gemv as int4_gemv_module
 from nanovllm.kernels.int4_gemm import Int4GemmConfig, int4_gemm
 from nanovllm.kernels.int4_gemv import Int4GemvConfig, int4_gemv
+from nanovllm.kernels.int_dequantize import dequantized_matmul
 from nanovllm.kernels.int_gemm import DECODE_CONFIG, PREFILL_CONFIG, LaunchConfig, int_gemm, int_gemm_ref
 from nanovllm.quantization.fp8 import GEMV_MAX_ROWS, Fp8LinearMethod
 from nanovllm.quantization.int_packing import awq_for_gemm, dequantize_awq
@@ -355,7 +356,8 @@ def int4_gemm_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -
     """The 4-bit GEMM against int_gemm and the bfloat16 GEMM, per projection and M."""
     dtype, group = torch.bfloat16, args.group_size
     totals = {}
-    print(f"{'layer':13} {'M':>5} {'gemm us':>8} {'int_gemm us':>11} {'bf16 us':>8} {'speedup':>8}  best sweep")
+    print(f"{'layer':13} {'M':>5} {'gemm us':>8} {'int_gemm us':>11} {'dequantized us':>14} {'bf16 us':>8} "
+          f"{'speedup':>8}  best sweep")
     for name, (k, n) in shapes.items():
         layers = copies_beyond_l2(lambda: random_layer(k, n, group, dtype), k * n // 2 + 4 * (k // group) * n)
         weights16 = bf16_copies(n, k, dtype)
@@ -368,6 +370,8 @@ def int4_gemm_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -
             t = {"gemm": graph_time(gemm()),
                  "int_gemm": graph_time([lambda l=l: int_gemm(x, l["qweight"], l["scales"], l["scaled_zeros"], 4,
                                                               group) for l in layers]),
+                 "dequantized": graph_time([lambda l=l: dequantized_matmul(x, l["qweight"], l["scales"],
+                                                                           l["scaled_zeros"], 4, group) for l in layers]),
                  "bf16": graph_time([lambda w=w: F.linear(x, w) for w in weights16])}
             best = ""
             if args.sweep:
@@ -377,13 +381,14 @@ def int4_gemm_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -
             for key, v in t.items():
                 totals.setdefault(m, {}).setdefault(key, 0.0)
                 totals[m][key] += v
-            print(f"{name:13} {m:5d} {t['gemm'] * 1e6:8.1f} {t['int_gemm'] * 1e6:11.1f} {t['bf16'] * 1e6:8.1f} "
-                  f"{t['int_gemm'] / t['gemm']:8.2f}  {best}", flush=True)
+            print(f"{name:13} {m:5d} {t['gemm'] * 1e6:8.1f} {t['int_gemm'] * 1e6:11.1f} {t['dequantized'] * 1e6:14.1f} "
+                  f"{t['bf16'] * 1e6:8.1f} {t['int_gemm'] / t['gemm']:8.2f}  {best}", flush=True)
         del layers, weights16
         torch.cuda.empty_cache()
     for m, t in totals.items():
         print(f"M={m:<5d} four projections x{num_layers} layers: int4 gemm {num_layers * t['gemm'] * 1e3:.2f} ms, "
-              f"int_gemm {num_layers * t['int_gemm'] * 1e3:.2f} ms, bf16 {num_layers * t['bf16'] * 1e3:.2f} ms")
+              f"int_gemm {num_layers * t['int_gemm'] * 1e3:.2f} ms, dequantized + cuBLAS "
+              f"{num_layers * t['dequantized'] * 1e3:.2f} ms, bf16 {num_layers * t['bf16'] * 1e3:.2f} ms")
 
 
 def main() -> None:
@@ -408,7 +413,7 @@ def main() -> None:
     modes = {"w8a8": ([16, 32, 64, 96, 128, 160, 192, 224, 256, 512], None, w8a8_table),
              "gemv": ([1, 2, 4, 8, 16], check_gemv, gemv_table),
              "int4_gemv": ([1, 2, 4, 8, 16], check_int4_gemv, int4_gemv_table),
-             "int4_gemm": ([128, 192, 256, 512, 1024], check_int4_gemm, int4_gemm_table)}
+             "int4_gemm": ([128, 256, 384, 512, 1024, 4096], check_int4_gemm, int4_gemm_table)}
     for mode, (rows, check_kernels, table) in modes.items():
         if getattr(args, mode):
             args.batch = args.batch or rows

@@ -2,16 +2,17 @@
 and float16 through float32 dequantization; bfloat16 and float16 through the inline PTX on CUDA):
 row and column tiles with partial edges, K split or not, groups of one step and of several, the
 interleaved x it reads; its PTX, emulated instruction by instruction (tests/test_int4_gemv.py's
-run_ptx), dequantizes two words into q * s - z rounded once; the weight-only layer sends 65-512
-rows to it on CUDA."""
+run_ptx), dequantizes two words into q * s - z rounded once; the weight-only layer sends 65 rows
+up to DEQUANTIZE_FROM_ROWS to it on CUDA."""
 
 import random
 
 import pytest
 import torch
 
-from nanovllm.kernels.int4_gemm import (GEMM_MAX_ROWS, Int4GemmConfig, dequantize_asm, gemm_supported, int4_gemm,
+from nanovllm.kernels.int4_gemm import (Int4GemmConfig, dequantize_asm, gemm_supported, int4_gemm,
                                         interleave_rows, launch_for)
+from nanovllm.kernels.int_dequantize import DEQUANTIZE_FROM_ROWS
 from nanovllm.kernels.int_gemm import int_gemm_ref
 from tests.test_int4_gemv import (DEVICE, DTYPES, assert_layer_routes, assert_splits_leave_the_workspace_zero, awq_layer,
                                   pack_halves, packed_halves, run_ptx, tolerance)
@@ -98,7 +99,7 @@ def test_supported_layers():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the layer sends work to the Triton kernels on CUDA only")
-@pytest.mark.parametrize("rows,expect_gemm", [(64, False), (65, True), (GEMM_MAX_ROWS, True),
-                                              (GEMM_MAX_ROWS + 1, False)])
+@pytest.mark.parametrize("rows,expect_gemm", [(64, False), (65, True), (DEQUANTIZE_FROM_ROWS - 1, True),
+                                              (DEQUANTIZE_FROM_ROWS, False)])
 def test_weight_only_layer_routes_decode_batches_to_the_gemm(monkeypatch, rows, expect_gemm):
     assert_layer_routes(monkeypatch, "int4_gemm", rows, expect_gemm)

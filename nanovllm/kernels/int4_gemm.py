@@ -1,4 +1,4 @@
-"""Products of 65-512 rows (decode batches) with 4-bit weights in int_gemm's layout (AWQ and GPTQ after
+"""Products of decode batches (from 65 rows) with 4-bit weights in int_gemm's layout (AWQ and GPTQ after
 loading): y = x @ W, W[k, n] = q[k, n] * scales[g, n] - scaled_zeros[g, n], g = k // group_size.
 
 From about a hundred rows the matrix cores are the pace, so the weight must reach them as 16-bit
@@ -43,9 +43,9 @@ class Int4GemmConfig(NamedTuple):
 # in two where K >= N (o_proj, down_proj: few column tiles, long runs of K): 10.24 ms at 256 rows
 # (11.47 split everywhere), int_gemm 14.90; 19.89 against 24.44 at 512 rows. At 1,024 rows int_gemm
 # wins (31.3 against 37.7 ms). Two pipeline stages (more programs per SM) ranked in no projection's best four.
+# The weight-only linear sends 65 rows up to int_dequantize.DEQUANTIZE_FROM_ROWS here on CUDA.
 FEW_ROWS_CONFIG = Int4GemmConfig(64, 128, 4, 3)
 MANY_ROWS_CONFIG = Int4GemmConfig(128, 128, 8, 4)
-GEMM_MAX_ROWS = 512     # the weight-only linear sends 65-512 rows here on CUDA
 
 
 def dequantize_asm(dtype: torch.dtype) -> str:

@@ -1,14 +1,16 @@
 """What AWQ and GPTQ share: integer weights with a scale and zero per group of input rows, turned
 once after loading into the layout of nanovllm/kernels/int_gemm.py and multiplied there (on the
 GPU, 16-bit activations; 4 bits by nanovllm/kernels/int4_gemv.py up to 64 rows and
-nanovllm/kernels/int4_gemm.py up to 512) or by its torch twin (on the CPU, and for float32).
+nanovllm/kernels/int4_gemm.py below DEQUANTIZE_FROM_ROWS; prefills by cuBLAS on the weight dequantized
+by nanovllm/kernels/int_dequantize.py) or by its torch twin (on the CPU, and for float32).
 Activations stay unquantized: weight-only quantization.
 """
 import torch
 from torch import nn
 
 from nanovllm.kernels import int4_gemv as int4_gemv_module
-from nanovllm.kernels.int4_gemm import GEMM_MAX_ROWS, gemm_supported, int4_gemm
+from nanovllm.kernels.int4_gemm import gemm_supported, int4_gemm
+from nanovllm.kernels.int_dequantize import DEQUANTIZE_FROM_ROWS, dequantized_matmul
 from nanovllm.kernels.int4_gemv import gemv_supported, int4_gemv
 from nanovllm.kernels.int_gemm import int_gemm, int_gemm_ref
 from nanovllm.quantization.base import LinearMethod
@@ -41,9 +43,9 @@ class WeightOnlyIntMethod(LinearMethod):
             and gemv_supported(x.shape[1], layer.group_size, layer.g_idx, self.bits)
 
     def takes_gemm(self, layer: nn.Module, x: torch.Tensor) -> bool:
-        """Whether x [M, K] goes through the 4-bit GEMM of decode batches: 16-bit rows on the GPU, up
-        to GEMM_MAX_ROWS (more, as in prefills, take int_gemm)."""
-        return x.is_cuda and x.dtype != torch.float32 and x.shape[0] <= GEMM_MAX_ROWS \
+        """Whether x [M, K] goes through the 4-bit GEMM of decode batches: 16-bit rows on the GPU, fewer
+        than DEQUANTIZE_FROM_ROWS (more, as in prefills, multiply the dequantized weight)."""
+        return x.is_cuda and x.dtype != torch.float32 and x.shape[0] < DEQUANTIZE_FROM_ROWS \
             and gemm_supported(x.shape[1], layer.group_size, layer.g_idx, self.bits)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,6 +61,9 @@ class WeightOnlyIntMethod(LinearMethod):
                 return y
         elif self.takes_gemm(layer, x2):
             y = int4_gemm(x2, layer.qweight, layer.scales, layer.scaled_zeros, layer.group_size)
+        elif x.is_cuda and x.dtype != torch.float32 and x2.shape[0] >= DEQUANTIZE_FROM_ROWS:
+            y = dequantized_matmul(x2, layer.qweight, layer.scales, layer.scaled_zeros, self.bits, layer.group_size,
+                                   layer.g_idx)
         else:
             gemm = int_gemm if x.is_cuda and x.dtype != torch.float32 else int_gemm_ref
             y = gemm(x2, layer.qweight, layer.scales, layer.scaled_zeros, self.bits, layer.group_size, layer.g_idx)
