@@ -10,8 +10,8 @@ from torch import nn
 
 from nanovllm.kernels import int4_gemv as int4_gemv_module
 from nanovllm.kernels.int4_gemm import gemm_supported, int4_gemm
-from nanovllm.kernels.int_dequantize import DEQUANTIZE_FROM_ROWS, dequantized_matmul
 from nanovllm.kernels.int4_gemv import gemv_supported, int4_gemv
+from nanovllm.kernels.int_dequantize import DEQUANTIZE_FROM_ROWS, dequantized_matmul
 from nanovllm.kernels.int_gemm import int_gemm, int_gemm_ref
 from nanovllm.quantization.base import LinearMethod
 
@@ -49,8 +49,8 @@ class WeightOnlyIntMethod(LinearMethod):
             and gemm_supported(x.shape[1], layer.group_size, layer.g_idx, self.bits)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # the Triton kernels on the GPU for 16-bit activations (a few rows of 4 bits: the GEMV);
-        # the twin on the CPU and for float32
+        # on the GPU for 16-bit activations: 4 bits through the GEMV, then the GEMM; prefills of any
+        # format through the dequantized weight; the rest through int_gemm; the twin on the CPU and for float32
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         if self.takes_gemv(layer, x2):
             # a layer feeding a residual norm (RowParallelLinear.feed_residual_norm) may hand it
