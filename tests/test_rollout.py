@@ -13,6 +13,10 @@ from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.checkpoints.random_checkpoint import write_tiny_model
+from nanovllm.kernels import int_dequantize
+from nanovllm.kernels import zeroed_workspace as zeroed_workspace_module
+from nanovllm.kernels.int_dequantize import dequantize
+from nanovllm.kernels.zeroed_workspace import zeroed_workspace
 from tests.conftest import mixed_prompts
 
 torch.set_num_threads(2)
@@ -169,9 +173,13 @@ def test_sleep_and_wake_up(paths, reference):
     with LLM(paths["a"], **ENGINE) as llm:
         driver = llm.engine.core.executor.driver
         before = run(llm)
+        # the kernels' scratch memory (on a GPU: split-K sums, prefills' dequantized weights) goes too
+        zeroed_workspace(torch.device("cpu"), torch.float32, 8)
+        dequantize(torch.zeros(1, 8, dtype=torch.int32), torch.ones(1, 8), torch.zeros(1, 8), 4, 8)
         llm.sleep(level=1)
         assert llm.is_sleeping() and driver.kv_cache.tensor is None
         assert all(p.numel() == 0 for p in driver.model.parameters())
+        assert not zeroed_workspace_module._buffers and not int_dequantize._scratch
         with pytest.raises(RuntimeError, match="asleep"):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         with pytest.raises(RuntimeError, match="asleep"):

@@ -45,6 +45,11 @@ def _dequantize_kernel(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr, K
              mask=mask)
 
 
+def release_scratch() -> None:
+    """Drop the scratch buffers (the engine's sleep, once no CUDA graph holds them)."""
+    _scratch.clear()
+
+
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor, bits: int,
                group_size: int, g_idx: torch.Tensor | None = None) -> torch.Tensor:
     """W [K, N] in the scales' dtype, in the scratch buffer (valid until the next call on this

@@ -28,6 +28,13 @@ def zeroed_workspace(device: torch.device, dtype: torch.dtype, numel: int) -> to
     return buffer
 
 
+def release_workspaces() -> None:
+    """Drop every buffer (the engine's sleep, once no CUDA graph holds them); the next call
+    allocates zeroed ones."""
+    _buffers.clear()
+    _outgrown.clear()
+
+
 class PendingSums(NamedTuple):
     """A split reduction's float32 sums, left in the workspace: the kernel that reads them must clear
     them (rms_norm with a residual does)."""

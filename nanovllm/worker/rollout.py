@@ -4,6 +4,8 @@ the engine runs these on every rank through Executor.collective_rpc. Checks retu
 instead of raising, so one rank's refusal never leaves the others apart."""
 import torch
 
+from nanovllm.kernels.int_dequantize import release_scratch
+from nanovllm.kernels.zeroed_workspace import release_workspaces
 from nanovllm.worker.weight_loader import checkpoint_tensors
 from nanovllm.worker.weight_sync import WeightSyncGroup, weight_sync_group
 from nanovllm.worker.weight_update import InPlaceWeightLoader, PinnedStaging, tensor_shape
@@ -67,8 +69,11 @@ class WorkerRollout:
     # ---- sleep ---------------------------------------------------------------------------------
 
     def sleep(self, level: int) -> None:
-        """Free the KV pool and the CUDA graphs; weights to host memory (level 1) or dropped (2)."""
+        """Free the KV pool, the CUDA graphs and the kernels' scratch memory; weights to host memory
+        (level 1) or dropped (2)."""
         self.graphs = []     # they captured the pool's and the weights' addresses
+        release_workspaces()
+        release_scratch()
         if not self.kv_cache_asleep:
             self.kv_cache.release()
             self.kv_cache_asleep = True
