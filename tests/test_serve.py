@@ -184,16 +184,19 @@ def test_completion_prompt_forms(client, offline):
 
 def test_streamed_completion_equals_offline(client, http, offline):
     prompt = "Tell me a story"
-    expected = offline.generate([prompt], SamplingParams(max_tokens=30, **GREEDY), use_tqdm=False)[0]
-    chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=30, temperature=0,
+    expected = offline.generate([prompt], SamplingParams(max_tokens=200, **GREEDY), use_tqdm=False)[0]
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=200, temperature=0,
                                             stream=True, stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True}))
     text_chunks = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].text for c in text_chunks) == expected["text"]
-    assert len(text_chunks) > 5                                     # streamed, not sent at the end
+    # streamed, not sent at the end. Outputs that queue up while the server's reader is busy come
+    # joined (RequestStream), so how many chunks a busy machine yields varies: 30 tokens once came
+    # as one chunk on two loaded cores; 200 engine steps are not all joined
+    assert len(text_chunks) > 1
     assert text_chunks[-1].choices[0].finish_reason == "length"
     assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 200
     assert chunks[-1].usage.prompt_tokens == len(expected["prompt_token_ids"])
     # the raw stream: server-sent events ending with [DONE]
     body = dict(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0, stream=True)
