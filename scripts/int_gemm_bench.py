@@ -51,7 +51,7 @@ from nanovllm.kernels import int4_gemv as int4_gemv_module
 from nanovllm.kernels.int4_gemm import Int4GemmConfig, int4_gemm
 from nanovllm.kernels.int4_gemv import Int4GemvConfig, int4_gemv
 from nanovllm.kernels.int_dequantize import dequantized_matmul
-from nanovllm.kernels.int_gemm import DECODE_CONFIG, PREFILL_CONFIG, LaunchConfig, int_gemm, int_gemm_ref
+from nanovllm.kernels.int_gemm import DECODE_CONFIG, SWAPPED_CONFIGS, LaunchConfig, int_gemm, int_gemm_ref
 from nanovllm.quantization.fp8 import GEMV_MAX_ROWS, Fp8LinearMethod
 from nanovllm.quantization.int_packing import awq_for_gemm, dequantize_awq
 from nanovllm.checkpoints.quantized_checkpoint import quantize_awq
@@ -301,6 +301,26 @@ def check_int4_gemv() -> None:
                        INT4_TILE_CANDIDATES)
 
 
+def int4_layer_copies(k: int, n: int, group: int, dtype: torch.dtype) -> tuple[list, list, int]:
+    """What the 4-bit tables time for one projection: copies of a random 4-bit layer and of a 16-bit
+    weight of its shape (copies_beyond_l2), and the 4-bit layer's bytes."""
+    nbytes = k * n // 2 + 2 * 2 * (k // group) * n
+    return copies_beyond_l2(lambda: random_layer(k, n, group, dtype), nbytes), bf16_copies(n, k, dtype), nbytes
+
+
+def baseline_times(x: torch.Tensor, layers: list, weights16: list, group: int) -> dict[str, float]:
+    """int_gemm and the bfloat16 GEMM on the same rows: what the 4-bit kernels are set against."""
+    return {"int_gemm": graph_time([lambda l=l: int_gemm(x, l["qweight"], l["scales"], l["scaled_zeros"], 4, group)
+                                    for l in layers]),
+            "bf16": graph_time([lambda w=w: F.linear(x, w) for w in weights16])}
+
+
+def add_to_totals(totals: dict, m: int, times: dict[str, float]) -> None:
+    for key, t in times.items():
+        totals.setdefault(m, {}).setdefault(key, 0.0)
+        totals[m][key] += t
+
+
 def int4_gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> None:
     """The 4-bit GEMV against int_gemm and the bfloat16 GEMM, per projection and M."""
     dtype, group = torch.bfloat16, args.group_size
@@ -308,19 +328,15 @@ def int4_gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -
     print(f"{'layer':13} {'M':>3} {'gemv us':>8} {'GB/s':>6} {'int_gemm us':>11} {'GB/s':>6} {'bf16 us':>8} "
           f"{'speedup':>8}  best sweep")
     for name, (k, n) in shapes.items():
-        bytes4 = k * n // 2 + 2 * 2 * (k // group) * n
-        layers = copies_beyond_l2(lambda: random_layer(k, n, group, dtype), bytes4)
-        weights16 = bf16_copies(n, k, dtype)
+        layers, weights16, bytes4 = int4_layer_copies(k, n, group, dtype)
         for m in args.batch:
             x = torch.randn(m, k, device="cuda", dtype=dtype)
 
             def gemv(config=None, split=None):
                 return [lambda l=l: int4_gemv(x, l["qweight"], l["scales"], l["scaled_zeros"], group,
                                               config=config, split_k=split) for l in layers]
-            t_gemv = graph_time(gemv())
-            t_gemm = graph_time([lambda l=l: int_gemm(x, l["qweight"], l["scales"], l["scaled_zeros"], 4, group)
-                                 for l in layers])
-            t16 = graph_time([lambda w=w: F.linear(x, w) for w in weights16])
+            times = {"gemv": graph_time(gemv()), **baseline_times(x, layers, weights16, group)}
+            t_gemv, t_gemm, t16 = times["gemv"], times["int_gemm"], times["bf16"]
             best = ""
             if args.sweep:
                 if m == 1:
@@ -332,9 +348,7 @@ def int4_gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -
                     timed = sorted([(graph_time(gemv(c, split)), str(tuple(c)), split or "auto")
                                     for c in candidates for split in (None, 1)], key=lambda timing: timing[0])
                 best = ", ".join(f"{t * 1e6:.1f} us {c} split {sp}" for t, c, sp in timed[:6])
-            for key, t in (("gemv", t_gemv), ("int_gemm", t_gemm), ("bf16", t16)):
-                totals.setdefault(m, {}).setdefault(key, 0.0)
-                totals[m][key] += t
+            add_to_totals(totals, m, times)
             gbs = lambda t: (bytes4 + 2 * m * (k + n)) / t / 1e9
             print(f"{name:13} {m:3d} {t_gemv * 1e6:8.1f} {gbs(t_gemv):6.0f} {t_gemm * 1e6:11.1f} {gbs(t_gemm):6.0f} "
                   f"{t16 * 1e6:8.1f} {t_gemm / t_gemv:8.2f}  {best}", flush=True)
@@ -359,8 +373,7 @@ def int4_gemm_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -
     print(f"{'layer':13} {'M':>5} {'gemm us':>8} {'int_gemm us':>11} {'dequantized us':>14} {'bf16 us':>8} "
           f"{'speedup':>8}  best sweep")
     for name, (k, n) in shapes.items():
-        layers = copies_beyond_l2(lambda: random_layer(k, n, group, dtype), k * n // 2 + 4 * (k // group) * n)
-        weights16 = bf16_copies(n, k, dtype)
+        layers, weights16, _ = int4_layer_copies(k, n, group, dtype)
         for m in args.batch:
             x = torch.randn(m, k, device="cuda", dtype=dtype)
 
@@ -368,19 +381,15 @@ def int4_gemm_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -
                 return [lambda l=l: int4_gemm(x, l["qweight"], l["scales"], l["scaled_zeros"], group,
                                               config=config, split_k=split) for l in layers]
             t = {"gemm": graph_time(gemm()),
-                 "int_gemm": graph_time([lambda l=l: int_gemm(x, l["qweight"], l["scales"], l["scaled_zeros"], 4,
-                                                              group) for l in layers]),
                  "dequantized": graph_time([lambda l=l: dequantized_matmul(x, l["qweight"], l["scales"],
                                                                            l["scaled_zeros"], 4, group) for l in layers]),
-                 "bf16": graph_time([lambda w=w: F.linear(x, w) for w in weights16])}
+                 **baseline_times(x, layers, weights16, group)}
             best = ""
             if args.sweep:
                 timed = sorted([(graph_time(gemm(c, split)), str(tuple(c)), split)
                                 for c in INT4_GEMM_CANDIDATES for split in (1, 2, 4)], key=lambda timing: timing[0])
                 best = ", ".join(f"{tt * 1e6:.1f} us {c} split {sp}" for tt, c, sp in timed[:4])
-            for key, v in t.items():
-                totals.setdefault(m, {}).setdefault(key, 0.0)
-                totals[m][key] += v
+            add_to_totals(totals, m, t)
             print(f"{name:13} {m:5d} {t['gemm'] * 1e6:8.1f} {t['int_gemm'] * 1e6:11.1f} {t['dequantized'] * 1e6:14.1f} "
                   f"{t['bf16'] * 1e6:8.1f} {t['int_gemm'] / t['gemm']:8.2f}  {best}", flush=True)
         del layers, weights16
@@ -456,7 +465,7 @@ def main() -> None:
         print(f"one layer's four projections at M={m}: int4 {t4 * 1e6:.1f} us, bf16 {t16 * 1e6:.1f} us, "
               f"int4 floor {floor4 * 1e6:.1f} us (x{layers_n} layers: {layers_n * t4 * 1e3:.2f} ms against "
               f"{layers_n * t16 * 1e3:.2f} ms)")
-    print(f"configs: decode (M <= 16) {DECODE_CONFIG}, prefill {PREFILL_CONFIG}")
+    print(f"configs: decode (M <= 16) {DECODE_CONFIG}, swapped (up to M) {SWAPPED_CONFIGS}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ against the formats' own dequantizers."""
 import pytest
 import torch
 
-from nanovllm.kernels.int_gemm import (DECODE_CONFIG, PREFILL_CONFIG, SWAPPED_CONFIGS, LaunchConfig, int_gemm,
+from nanovllm.kernels.int_gemm import (DECODE_CONFIG, SWAPPED_CONFIGS, LaunchConfig, int_gemm,
                                        int_gemm_ref, launch_config)
 from nanovllm.quantization.int_packing import awq_for_gemm, dequantize_awq, dequantize_gptq, gptq_for_gemm
 from nanovllm.checkpoints.quantized_checkpoint import act_order, quantize_awq, quantize_gptq
@@ -63,11 +63,11 @@ def test_gptq_layout_matches_twin(bits, group_size, desc_act, rows):
         torch.testing.assert_close(out, ref, **tolerance(torch.float16))
 
 
-@pytest.mark.parametrize("config", [DECODE_CONFIG, PREFILL_CONFIG, *(c for _, c in SWAPPED_CONFIGS),
+@pytest.mark.parametrize("config", [DECODE_CONFIG, *(c for _, c in SWAPPED_CONFIGS),
                                     LaunchConfig(16, 32, 32, 3, 4, 2, False), LaunchConfig(32, 16, 16, 1, 4, 2, False),
                                     LaunchConfig(16, 16, 64, 2, 4, 2, True),
                                     LaunchConfig(16, 16, 16, 3, 4, 2, False, True),
-                                    PREFILL_CONFIG._replace(swapped=False)])
+                                    SWAPPED_CONFIGS[-1][1]._replace(swapped=False)])
 def test_every_launch_shape_agrees(config):
     """Split-K (atomic float32 partial sums) and single-program K loops, tiles smaller than a group,
     plain and swapped (out^T = W^T x^T)."""

@@ -115,23 +115,23 @@ class LaunchConfig(NamedTuple):
 # Up to 16 rows the decode shape (4-bit layers without act order take int4_gemv there). From 17 rows
 # the product runs swapped, out^T = W^T x^T: the dequantized weight tile is the matrix cores'
 # register operand and never goes through shared memory (the plain shapes stored it 16 bits at a
-# time); the shape grows with the rows, the first that covers them: four projections of 36 layers
-# took 6.41 / 7.91 / 11.40 / 14.47 / 30.48 ms at 32 / 64 / 128 / 256 / 1024 rows, against 9.41 /
-# 9.44 / 11.78 / 17.35 / 61.87 for the plain 64x64 tile.
+# time); the shape grows with the rows, the first that covers them (the last beyond): four
+# projections of 36 layers took 6.41 / 7.91 / 11.40 / 14.47 ms at 32 / 64 / 128 / 256 rows, against
+# 9.41 / 9.44 / 11.78 / 17.35 for the plain 64x64 tile. From int_dequantize.DEQUANTIZE_FROM_ROWS the
+# weight-only linear multiplies the dequantized weight instead (faster than any tile here).
 DECODE_MAX_ROWS = 16
 DECODE_CONFIG = LaunchConfig(16, 64, 128, 4, 4, 4, True)
 SWAPPED_CONFIGS = [(48, LaunchConfig(32, 64, 128, 2, 4, 3, True, True)),
                    (96, LaunchConfig(64, 64, 128, 2, 4, 3, True, True)),
                    (192, LaunchConfig(64, 64, 128, 1, 4, 3, True, True)),
-                   (512, LaunchConfig(128, 64, 128, 1, 4, 3, True, True))]
-PREFILL_CONFIG = LaunchConfig(256, 128, 64, 1, 8, 3, True, True)
+                   (None, LaunchConfig(128, 64, 128, 1, 4, 3, True, True))]
 
 
 def launch_config(m: int) -> LaunchConfig:
     """The launch shape for m rows."""
     if m <= DECODE_MAX_ROWS:
         return DECODE_CONFIG
-    return next((config for most_rows, config in SWAPPED_CONFIGS if m <= most_rows), PREFILL_CONFIG)
+    return next(config for most_rows, config in SWAPPED_CONFIGS if most_rows is None or m <= most_rows)
 
 
 def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,

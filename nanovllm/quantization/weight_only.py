@@ -16,6 +16,11 @@ from nanovllm.kernels.int_gemm import int_gemm, int_gemm_ref
 from nanovllm.quantization.base import LinearMethod
 
 
+def runs_kernels(x: torch.Tensor) -> bool:
+    """16-bit activations on the GPU take the Triton kernels; the CPU and float32 take the twin."""
+    return x.is_cuda and x.dtype != torch.float32
+
+
 class WeightOnlyIntMethod(LinearMethod):
     """A subclass creates its format's parameters and says how they become the GEMM's layout."""
 
@@ -39,34 +44,32 @@ class WeightOnlyIntMethod(LinearMethod):
 
     def takes_gemv(self, layer: nn.Module, x: torch.Tensor) -> bool:
         """Whether x [M, K] goes through the 4-bit GEMV: 16-bit rows on the GPU, a few of them."""
-        return x.is_cuda and x.dtype != torch.float32 and x.shape[0] <= int4_gemv_module.GEMV_MAX_ROWS \
+        return runs_kernels(x) and x.shape[0] <= int4_gemv_module.GEMV_MAX_ROWS \
             and gemv_supported(x.shape[1], layer.group_size, layer.g_idx, self.bits)
 
     def takes_gemm(self, layer: nn.Module, x: torch.Tensor) -> bool:
         """Whether x [M, K] goes through the 4-bit GEMM of decode batches: 16-bit rows on the GPU, fewer
         than DEQUANTIZE_FROM_ROWS (more, as in prefills, multiply the dequantized weight)."""
-        return x.is_cuda and x.dtype != torch.float32 and x.shape[0] < DEQUANTIZE_FROM_ROWS \
+        return runs_kernels(x) and x.shape[0] < DEQUANTIZE_FROM_ROWS \
             and gemm_supported(x.shape[1], layer.group_size, layer.g_idx, self.bits)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # on the GPU for 16-bit activations: 4 bits through the GEMV, then the GEMM; prefills of any
-        # format through the dequantized weight; the rest through int_gemm; the twin on the CPU and for float32
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        if self.takes_gemv(layer, x2):
+        args = (layer.qweight, layer.scales, layer.scaled_zeros)
+        if not runs_kernels(x2):
+            y = int_gemm_ref(x2, *args, self.bits, layer.group_size, layer.g_idx)
+        elif self.takes_gemv(layer, x2):
             # a layer feeding a residual norm (RowParallelLinear.feed_residual_norm) may hand it
             # unfinished split-K sums as they are; a 2-D output needs no reshape
             leave_sums = getattr(layer, "leaves_sums_to_norm", False) and bias is None and x.dim() == 2
-            y = int4_gemv(x2, layer.qweight, layer.scales, layer.scaled_zeros, layer.group_size, leave_sums=leave_sums)
+            y = int4_gemv(x2, *args, layer.group_size, leave_sums=leave_sums)
             if leave_sums:
                 return y
         elif self.takes_gemm(layer, x2):
-            y = int4_gemm(x2, layer.qweight, layer.scales, layer.scaled_zeros, layer.group_size)
-        elif x.is_cuda and x.dtype != torch.float32 and x2.shape[0] >= DEQUANTIZE_FROM_ROWS:
-            y = dequantized_matmul(x2, layer.qweight, layer.scales, layer.scaled_zeros, self.bits, layer.group_size,
-                                   layer.g_idx)
-        else:
-            gemm = int_gemm if x.is_cuda and x.dtype != torch.float32 else int_gemm_ref
-            y = gemm(x2, layer.qweight, layer.scales, layer.scaled_zeros, self.bits, layer.group_size, layer.g_idx)
+            y = int4_gemm(x2, *args, layer.group_size)
+        else:   # prefills of every format through the dequantized weight; the rest through int_gemm
+            multiply = dequantized_matmul if x2.shape[0] >= DEQUANTIZE_FROM_ROWS else int_gemm
+            y = multiply(x2, *args, self.bits, layer.group_size, layer.g_idx)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
 
