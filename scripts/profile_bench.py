@@ -66,10 +66,10 @@ def main():
     original_launch, original_execute = runner.launch, runner.driver.execute
     marks, started = [], {}
 
-    def timed_execute(inputs):              # the step's inputs are built on the host before this
+    def timed_execute(inputs, **kwargs):    # the step's inputs are built on the host before this
         started["event"] = torch.cuda.Event(enable_timing=True)
         started["event"].record()
-        return original_execute(inputs)
+        return original_execute(inputs, **kwargs)
 
     def timed_launch(batch, **kwargs):
         context = sum(seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_new_tokens))

@@ -28,7 +28,7 @@ import torch
 
 from nanovllm.kernels.fp8_primitives import (FP8_DTYPE, QuantizedActivation, dequantize_ref, num_groups,
                                              quantize_activation_ref)
-from nanovllm.kernels.triton_compat import pdl_launch, start_next_kernel, tl, triton, wait_for_previous_kernel
+from nanovllm.kernels.triton_compat import INTERPRETED, pdl_launch, start_next_kernel, tl, triton, wait_for_previous_kernel
 
 
 def fp8_matmul_ref(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
@@ -41,9 +41,9 @@ def fp8_matmul_ref(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s:
 
 @triton.jit
 def round_to_e4m3(x):
-    """x (float32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, in float32. The cast
-    that follows is then exact: Triton's interpreter rounds some values that carry into the next
-    power of two wrongly (127 -> 64), GPUs do not; both now give the same bits."""
+    """x (float32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, in float32, so that
+    the cast that follows is exact. Only the interpreter needs it: it rounds some values that carry
+    into the next power of two wrongly (127 -> 64); a GPU's cast rounds to nearest even itself."""
     bits = x.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)   # 3 mantissa bits
     # below 2^-6 the step is 2^-9: |x| * 512 (exact) plus 1.5 * 2^23 has no fraction bits left, so
@@ -55,40 +55,42 @@ def round_to_e4m3(x):
 
 
 @triton.jit
+def to_e4m3_range(x):
+    """x (float32) clamped to +-448, ready for the cast to float8e4nv (exact in the interpreter too)."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    if INTERPRETED:
+        x = round_to_e4m3(x)
+    return x
+
+
+@triton.jit
 def quantize_groups(y, ROWS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     """y [ROWS, BLOCK] float32 -> (e4m3 values [ROWS, BLOCK] in float32, scales [ROWS, BLOCK // GROUP]):
     quantize_activation_ref's math over groups of GROUP columns held in registers, for the kernel
     that produces an activation to quantize it in its own pass (rms_norm.py, silu_and_mul.py)."""
     groups = tl.reshape(y, [ROWS, BLOCK // GROUP, GROUP])
     scale = tl.maximum(tl.max(tl.abs(groups), 2) * (1.0 / 448.0), 1e-12)
-    q = round_to_e4m3(tl.minimum(tl.maximum(tl.div_rn(groups, scale[:, :, None]), -448.0), 448.0))
+    q = to_e4m3_range(tl.div_rn(groups, scale[:, :, None]))
     return tl.reshape(q, [ROWS, BLOCK]), scale
 
 
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, GROUP, NUM_GROUPS,
                      STATIC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One program per row and group, the group read once, into registers (BLOCK >= GROUP)."""
     wait_for_previous_kernel(PDL)
     start_next_kernel(PDL)
     row, group = tl.program_id(0), tl.program_id(1)
-    start = group * GROUP
-    end = tl.minimum(start + GROUP, K)
+    cols = group * GROUP + tl.arange(0, BLOCK)
+    mask = (cols < K) & (tl.arange(0, BLOCK) < GROUP)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if STATIC:
         scale = tl.load(static_ptr)
     else:
-        absmax = tl.zeros([BLOCK], dtype=tl.float32)
-        for off in range(start, end, BLOCK):
-            cols = off + tl.arange(0, BLOCK)
-            x = tl.load(x_ptr + row * stride_x + cols, mask=cols < end, other=0.0).to(tl.float32)
-            absmax = tl.maximum(absmax, tl.abs(x))
-        scale = tl.maximum(tl.max(absmax, axis=0) * (1.0 / 448.0), 1e-12)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) * (1.0 / 448.0), 1e-12)
     tl.store(s_ptr + row * NUM_GROUPS + group, scale)
-    for off in range(start, end, BLOCK):
-        cols = off + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < end, other=0.0).to(tl.float32)
-        # div_rn: correctly rounded as torch's division of two tensors (Triton's `/` is div.full, approximate)
-        q = round_to_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0))
-        tl.store(q_ptr + row * K + cols, q.to(tl.float8e4nv), mask=cols < end)
+    # div_rn: correctly rounded as torch's division of two tensors (Triton's `/` is div.full, approximate)
+    tl.store(q_ptr + row * K + cols, to_e4m3_range(tl.div_rn(x, scale)).to(tl.float8e4nv), mask=mask)
 
 
 def quantize_activation(x: torch.Tensor, group_size: int,
@@ -101,10 +103,11 @@ def quantize_activation(x: torch.Tensor, group_size: int,
     scales = torch.empty(m, groups, dtype=torch.float32, device=x.device)
     if m == 0:
         return x_q, scales
-    block = min(1024, triton.next_power_of_2(min(k, group_size)))
+    group = k if static_scale is not None else min(k, group_size)
+    block = triton.next_power_of_2(group)
     _quantize_kernel[(m, groups)](x, x_q, scales, static_scale if static_scale is not None else scales, k,
-                                  x.stride(0), k if static_scale is not None else group_size, groups,
-                                  STATIC=static_scale is not None, BLOCK=block, **pdl_launch(x))
+                                  x.stride(0), group, groups, STATIC=static_scale is not None, BLOCK=block,
+                                  num_warps=min(16, max(4, block // 512)), **pdl_launch(x))
     return x_q, scales
 
 

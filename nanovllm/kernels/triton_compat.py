@@ -2,6 +2,7 @@
 still import on machines without it (CPU-only torch does not bring Triton). Also the launch option
 every kernel shares: programmatic dependent launch on Hopper and newer GPUs."""
 import functools
+import os
 
 import torch
 
@@ -28,6 +29,10 @@ except ImportError:
             return _MissingKernel(fn) if fn is not None else _MissingKernel
 
     triton = tl = libdevice = _MissingTriton()
+
+# Whether kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, read as Triton reads it: when
+# kernels are defined), where a few casts round unlike a GPU's; kernels test it to mend those there only
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1") if HAS_TRITON else False
 
 
 @functools.cache
