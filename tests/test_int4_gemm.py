@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nanovllm.kernels.int4_gemm import (Int4GemmConfig, dequantize_asm, gemm_supported, int4_gemm,
-                                        interleave_rows, launch_for)
+                                        interleave_rows, interleave_rows_ref, launch_for)
 from nanovllm.kernels.int_dequantize import DEQUANTIZE_FROM_ROWS
 from nanovllm.kernels.int_gemm import int_gemm_ref
 from tests.test_int4_gemv import (DEVICE, DTYPES, assert_layer_routes, assert_splits_leave_the_workspace_zero, awq_layer,
@@ -61,11 +61,18 @@ def test_launch_choice():
 
 def test_interleave_moves_column_8r_plus_i_to_16i_plus_r():
     x = torch.arange(2 * 256, dtype=torch.float32).reshape(2, 256)
-    moved = interleave_rows(x)
+    moved = interleave_rows_ref(x)
     for base in (0, 128):
         for r in range(16):
             for i in range(8):
                 assert torch.equal(moved[:, base + 16 * i + r], x[:, base + 8 * r + i])
+
+
+@pytest.mark.parametrize("m, k", [(1, 128), (11, 384), (9, 1024), (0, 512)])
+def test_interleave_kernel_matches_its_twin(m, k):
+    """Partial row blocks; runs of one step (K not a multiple of 512) and of four."""
+    x = torch.randn(m, k, dtype=torch.float16, device=DEVICE)
+    assert torch.equal(interleave_rows(x), interleave_rows_ref(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -30,8 +30,9 @@ ULP = {torch.float32: 2 ** -20, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7
 SCALE_RTOL = {torch.float32: 2 ** -16, torch.float16: 2 ** -9, torch.bfloat16: 2 ** -6}
 EPS = 1e-6
 # (rows, columns, group): per token and 128-column group (last group partial), per token (group =
-# columns, not a power of two), a group wider than the row, one row, groups over several tiles
-SMALL = [(5, 200, 128), (3, 96, 96), (33, 256, 64), (2, 64, 128), (1, 1000, 1000), (3, 2500, 128)]
+# columns, not a power of two), a group wider than the row, one row, groups over several tiles, a row
+# of several per-token steps (ROW_CHUNK)
+SMALL = [(5, 200, 128), (3, 96, 96), (33, 256, 64), (2, 64, 128), (1, 1000, 1000), (3, 2500, 128), (2, 2500, 2500)]
 FULL = [(257, 4096, 128), (300, 4096, 4096), (1000, 5120, 128), (33, 9728, 9728), (64, 1536, 1536), (5, 200, 128),
         (2, 96, 96)]
 SHAPES = FULL if CUDA else SMALL
