@@ -1,6 +1,7 @@
 """Triton when it is installed; otherwise a stand-in so the kernel modules and their torch twins
 still import on machines without it (CPU-only torch does not bring Triton). Also the launch option
-every kernel shares: programmatic dependent launch on Hopper and newer GPUs."""
+every kernel shares: programmatic dependent launch on Hopper and newer GPUs; and INTERPRETED, whether
+kernels run in Triton's CPU interpreter."""
 import functools
 import os
 
