@@ -55,12 +55,20 @@ def round_to_e4m3(x):
 
 
 @triton.jit
-def to_e4m3_range(x):
-    """x (float32) clamped to +-448, ready for the cast to float8e4nv (exact in the interpreter too)."""
-    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+def activation_scale(absmax):
+    """quantize_activation_ref's scale of a token (group) whose largest |x| is absmax."""
+    return tl.maximum(absmax * (1.0 / 448.0), 1e-12)
+
+
+@triton.jit
+def e4m3_codes(x, scale):
+    """x / scale (float32) clamped to +-448, ready for the cast to float8e4nv (exact in the
+    interpreter too). div_rn: correctly rounded as torch's division of two tensors (Triton's `/` is
+    div.full, approximate)."""
+    q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
     if INTERPRETED:
-        x = round_to_e4m3(x)
-    return x
+        q = round_to_e4m3(q)
+    return q
 
 
 @triton.jit
@@ -69,8 +77,8 @@ def quantize_groups(y, ROWS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.conste
     quantize_activation_ref's math over groups of GROUP columns held in registers, for the kernel
     that produces an activation to quantize it in its own pass (rms_norm.py, silu_and_mul.py)."""
     groups = tl.reshape(y, [ROWS, BLOCK // GROUP, GROUP])
-    scale = tl.maximum(tl.max(tl.abs(groups), 2) * (1.0 / 448.0), 1e-12)
-    q = to_e4m3_range(tl.div_rn(groups, scale[:, :, None]))
+    scale = activation_scale(tl.max(tl.abs(groups), 2))
+    q = e4m3_codes(groups, scale[:, :, None])
     return tl.reshape(q, [ROWS, BLOCK]), scale
 
 
@@ -87,10 +95,9 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, GROUP, NUM_GR
     if STATIC:
         scale = tl.load(static_ptr)
     else:
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0) * (1.0 / 448.0), 1e-12)
+        scale = activation_scale(tl.max(tl.abs(x), axis=0))
     tl.store(s_ptr + row * NUM_GROUPS + group, scale)
-    # div_rn: correctly rounded as torch's division of two tensors (Triton's `/` is div.full, approximate)
-    tl.store(q_ptr + row * K + cols, to_e4m3_range(tl.div_rn(x, scale)).to(tl.float8e4nv), mask=mask)
+    tl.store(q_ptr + row * K + cols, e4m3_codes(x, scale).to(tl.float8e4nv), mask=mask)
 
 
 def quantize_activation(x: torch.Tensor, group_size: int,

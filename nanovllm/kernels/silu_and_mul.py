@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels.fp8_primitives import FP8_DTYPE
-from nanovllm.kernels.fp8_linear import (QuantizedActivation, num_groups, quantize_activation_ref, quantize_groups,
-                                        to_e4m3_range)
+from nanovllm.kernels.fp8_linear import (QuantizedActivation, activation_scale, e4m3_codes, num_groups,
+                                        quantize_activation_ref, quantize_groups)
 from nanovllm.kernels.triton_compat import pdl_launch, start_next_kernel, tl, triton, wait_for_previous_kernel
 
 
@@ -71,12 +71,12 @@ def _silu_and_mul_quant_rows_kernel(x_ptr, q_ptr, scale_ptr, N, CHUNK: tl.conste
     for start in range(0, N, CHUNK):
         col = start + tl.arange(0, CHUNK)
         absmax = tl.maximum(absmax, tl.abs(_silu_and_mul(x_ptr, row, col, col < N, N).to(tl.float32)))
-    scale = tl.maximum(tl.max(absmax, 0) * (1.0 / 448.0), 1e-12)    # quantize_groups' scale
+    scale = activation_scale(tl.max(absmax, 0))
     tl.store(scale_ptr + row, scale)
     for start in range(0, N, CHUNK):
         col = start + tl.arange(0, CHUNK)
         y = _silu_and_mul(x_ptr, row, col, col < N, N).to(tl.float32)
-        tl.store(q_ptr + row * N + col, to_e4m3_range(tl.div_rn(y, scale)).to(tl.float8e4nv), mask=col < N)
+        tl.store(q_ptr + row * N + col, e4m3_codes(y, scale).to(tl.float8e4nv), mask=col < N)
 
 
 # columns a step and warps of a per-token program: the best of 1,024-4,096 by 4 or 8 at 64, 240 and
