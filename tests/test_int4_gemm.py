@@ -46,14 +46,30 @@ def test_groups_of_several_steps_and_the_chosen_launch(group_size):
     torch.testing.assert_close(out, ref, **tolerance(dtype))
 
 
+@pytest.mark.parametrize("k,n", [(128, 520), (512, 96)])
+def test_the_few_rows_launches_for_wide_and_long_layers(k, n):
+    """Outputs of 4x the inputs: a partial 256-column tile, K whole; inputs of 2x the outputs: K split
+    in four, one step each."""
+    dtype = DTYPES[0]
+    layer = awq_layer(k, n, 128, dtype, seed=5)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(6)).to(DEVICE, dtype)
+    out, ref = both(x, layer, 128)
+    torch.testing.assert_close(out, ref, **tolerance(dtype))
+
+
 def test_split_k_leaves_its_workspace_zero():
     assert_splits_leave_the_workspace_zero(both, (70, 66), Int4GemmConfig(32, 64, 4, 2))
 
 
 def test_launch_choice():
-    """Up to 128 rows narrow tiles, K split in two; more rows wide tiles, K split where K >= N."""
+    """Up to 128 rows narrow tiles, K split in two, but 256-column tiles with K whole for outputs of
+    4x the inputs and K split in four for inputs of 2x the outputs; more rows wide tiles, K split
+    where K >= N."""
     few, split = launch_for(100, 4096, 4096)
     assert few.block_m == 128 and split == 2
+    wide, split = launch_for(100, 4 * 4096, 4096)
+    assert wide.block_n == 256 and split == 1
+    assert launch_for(100, 4096, 2 * 4096)[1] == 4
     many, split = launch_for(256, 6144, 4096)
     assert many.block_m == 128 and many.block_n > few.block_n and split == 1
     assert launch_for(256, 4096, 12288)[1] == 2

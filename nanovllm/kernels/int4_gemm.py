@@ -43,8 +43,13 @@ class Int4GemmConfig(NamedTuple):
 # in two where K >= N (o_proj, down_proj: few column tiles, long runs of K): 10.24 ms at 256 rows
 # (11.47 split everywhere), int_gemm 14.90; 19.89 against 24.44 at 512 rows. At 1,024 rows int_gemm
 # wins (31.3 against 37.7 ms). Two pipeline stages (more programs per SM) ranked in no projection's best four.
+# Up to 128 rows two shapes run better (2026-12-02, 96 and 128 rows, 9 tiles x split 1/2/4, 6.37 ->
+# 5.98 ms at 128 rows): outputs of at least 4x the inputs (gate_up) in 256-column tiles of 16 warps,
+# K whole (80.5 -> 76.1 us); inputs of at least 2x the outputs (down_proj) in 128 x 128 tiles, K split
+# in four (45.7 -> 39.7 us).
 # The weight-only linear sends 65 rows up to int_dequantize.DEQUANTIZE_FROM_ROWS here on CUDA.
 FEW_ROWS_CONFIG = Int4GemmConfig(64, 128, 4, 3)
+FEW_ROWS_WIDE_CONFIG = Int4GemmConfig(256, 128, 16, 3)
 MANY_ROWS_CONFIG = Int4GemmConfig(128, 128, 8, 4)
 
 
@@ -181,6 +186,10 @@ def gemm_supported(k: int, group_size: int, g_idx: torch.Tensor | None, bits: in
 def launch_for(m: int, n: int, k: int) -> tuple[Int4GemmConfig, int]:
     """The tile and the K split for an [m, k] @ [k, n] product."""
     if m <= 128:
+        if n >= 4 * k:
+            return FEW_ROWS_WIDE_CONFIG, 1
+        if k >= 2 * n:
+            return MANY_ROWS_CONFIG, 4
         return FEW_ROWS_CONFIG, 2
     return MANY_ROWS_CONFIG, 2 if k >= n else 1
 
