@@ -181,28 +181,25 @@ def _check_cluster(config: Config, resource: str) -> None:
 
 
 def _place_stages(config: Config, resource: str) -> list:
-    """One STRICT_PACK placement group per stage, ordered so that stage 0's lies on this node
-    (rank 0 runs here). The first is asked for on this node: left to itself, Ray may put every
-    group on other nodes that have room."""
+    """One STRICT_PACK placement group per stage; stage 0's on this node (rank 0 runs here), held
+    there by Ray's node-id label, and granted before the others are asked for (racing them, it could
+    find this node's room taken)."""
     import ray
-    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+    from ray.util.placement_group import placement_group, remove_placement_group
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     here = ray.get_runtime_context().get_node_id()
     groups = [placement_group([{resource: 1}] * tp, strategy="STRICT_PACK",
-                              _soft_target_node_id=here if stage == 0 else None) for stage in range(pp)]
+                              bundle_label_selector=[{"ray.io/node-id": here}] * tp)]
+    ray.wait([groups[0].ready()], timeout=PLACEMENT_TIMEOUT_S)
+    groups += [placement_group([{resource: 1}] * tp, strategy="STRICT_PACK") for _ in range(pp - 1)]
     ready, _ = ray.wait([g.ready() for g in groups], num_returns=pp, timeout=PLACEMENT_TIMEOUT_S)
-    nodes = [placement_group_table(g)["bundles_to_node_id"][0] if len(ready) == pp else None for g in groups]
-    if here not in nodes:
+    if len(ready) < pp:
         for g in groups:
             remove_placement_group(g)
-        if len(ready) < pp:
-            raise RuntimeError(f"distributed_executor_backend='ray': Ray granted {len(ready)} of {pp} stages "
-                               f"{tp} x {{{resource!r}: 1}} within {PLACEMENT_TIMEOUT_S:g} s; available: "
-                               f"{ray.available_resources()}")
-        raise RuntimeError(f"distributed_executor_backend='ray': Ray placed no stage on this node ({here}), "
-                           f"where rank 0 runs; stages are on {nodes}")
-    first = nodes.index(here)
-    return [groups[first]] + groups[:first] + groups[first + 1:]
+        raise RuntimeError(f"distributed_executor_backend='ray': Ray granted {len(ready)} of {pp} stages {tp} x "
+                           f"{{{resource!r}: 1}} (the first on this node, {here}) within {PLACEMENT_TIMEOUT_S:g} s; "
+                           f"available: {ray.available_resources()}")
+    return groups
 
 
 def start_ray_workers(config: Config, multi_token_len: int | None = None) -> tuple[str, list[RayRank]]:
