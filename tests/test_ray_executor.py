@@ -174,6 +174,20 @@ def test_a_killed_actor_is_an_error_naming_its_rank_and_node(model, nodes):
         assert wait_for_cpus(3) == 3
 
 
+def test_no_room_on_this_node_is_an_error_after_one_wait(model, nodes, monkeypatch):
+    """Both head CPUs held: stage 0 (rank 0's node) cannot be placed, so the other stages are not
+    asked for and the error comes after one PLACEMENT_TIMEOUT_S, with every group removed."""
+    head, _ = nodes
+    monkeypatch.setattr(ray_processes, "PLACEMENT_TIMEOUT_S", 4.0)
+    with one_head_cpu_taken(head), one_head_cpu_taken(head):
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=f"Ray granted 0 of 2 stages .*the first on this node, {head}"):
+            LLM(model, pipeline_parallel_size=2, distributed_executor_backend="ray", **ARGS)
+        assert time.monotonic() - start < 8, "one wait, not one per round of stages"
+        assert all(entry["state"] == "REMOVED" for entry in placement_group_table().values())
+    assert wait_for_cpus(4) == 4
+
+
 @pytest.mark.parametrize("engine_args, message", [
     (dict(distributed_executor_backend="threads"), "distributed_executor_backend must be 'mp' or 'ray'"),
     (dict(distributed_executor_backend="ray", tensor_parallel_size=2, pipeline_parallel_size=3),

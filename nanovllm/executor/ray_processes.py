@@ -190,9 +190,10 @@ def _place_stages(config: Config, resource: str) -> list:
     here = ray.get_runtime_context().get_node_id()
     groups = [placement_group([{resource: 1}] * tp, strategy="STRICT_PACK",
                               bundle_label_selector=[{"ray.io/node-id": here}] * tp)]
-    ray.wait([groups[0].ready()], timeout=PLACEMENT_TIMEOUT_S)
-    groups += [placement_group([{resource: 1}] * tp, strategy="STRICT_PACK") for _ in range(pp - 1)]
-    ready, _ = ray.wait([g.ready() for g in groups], num_returns=pp, timeout=PLACEMENT_TIMEOUT_S)
+    ready, _ = ray.wait([groups[0].ready()], timeout=PLACEMENT_TIMEOUT_S)
+    if ready:   # no room here: fail now, not after a second wait for the other stages
+        groups += [placement_group([{resource: 1}] * tp, strategy="STRICT_PACK") for _ in range(pp - 1)]
+        ready, _ = ray.wait([g.ready() for g in groups], num_returns=pp, timeout=PLACEMENT_TIMEOUT_S)
     if len(ready) < pp:
         for g in groups:
             remove_placement_group(g)
