@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from nanovllm.kernels.int4_gemm import (Int4GemmConfig, dequantize_asm, gemm_supported, int4_gemm,
+from nanovllm.kernels.int4_gemm import (CONFIG, Int4GemmConfig, dequantize_asm, gemm_supported, int4_gemm,
                                         interleave_rows, interleave_rows_ref, launch_for)
 from nanovllm.kernels.int_dequantize import DEQUANTIZE_FROM_ROWS
 from nanovllm.kernels.int_gemm import int_gemm_ref
@@ -47,9 +47,9 @@ def test_groups_of_several_steps_and_the_chosen_launch(group_size):
 
 
 @pytest.mark.parametrize("k,n", [(128, 520), (512, 96)])
-def test_the_few_rows_launches_for_wide_and_long_layers(k, n):
-    """Outputs of 4x the inputs: a partial 256-column tile, K whole; inputs of 2x the outputs: K split
-    in four, one step each."""
+def test_the_chosen_launches_up_to_128_rows(k, n):
+    """Outputs of 4x the inputs: partial 128-column tiles, K one step; inputs of 5x the outputs: K
+    split in four, one step each."""
     dtype = DTYPES[0]
     layer = awq_layer(k, n, 128, dtype, seed=5)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(6)).to(DEVICE, dtype)
@@ -62,17 +62,12 @@ def test_split_k_leaves_its_workspace_zero():
 
 
 def test_launch_choice():
-    """Up to 128 rows narrow tiles, K split in two, but 256-column tiles with K whole for outputs of
-    4x the inputs and K split in four for inputs of 2x the outputs; more rows wide tiles, K split
-    where K >= N."""
-    few, split = launch_for(100, 4096, 4096)
-    assert few.block_m == 128 and split == 2
-    wide, split = launch_for(100, 4 * 4096, 4096)
-    assert wide.block_n == 256 and split == 1
-    assert launch_for(100, 4096, 2 * 4096)[1] == 4
-    many, split = launch_for(256, 6144, 4096)
-    assert many.block_m == 128 and many.block_n > few.block_n and split == 1
-    assert launch_for(256, 4096, 12288)[1] == 2
+    """128 x 128 tiles; K split in four up to 128 rows and in two from 129 where K >= N (few column
+    tiles), in two and not at all where K < N."""
+    assert launch_for(100, 4096, 4096) == (CONFIG, 4) and launch_for(100, 4096, 12288) == (CONFIG, 4)
+    assert launch_for(128, 6144, 4096) == (CONFIG, 2)
+    assert launch_for(129, 4096, 4096) == (CONFIG, 2) and launch_for(256, 24576, 4096) == (CONFIG, 1)
+    assert CONFIG.block_n == CONFIG.block_m == 128
 
 
 def test_interleave_moves_column_8r_plus_i_to_16i_plus_r():
@@ -91,11 +86,12 @@ def test_interleave_kernel_matches_its_twin(m, k):
     assert torch.equal(interleave_rows(x), interleave_rows_ref(x))
 
 
+@pytest.mark.parametrize("first_row", [0, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_ptx_dequantizes_two_words(dtype):
-    """dequantize_asm: output i holds row i of a (low half) and of b (high half) as q * s - z in
-    dtype, rounded once, for the column's scale and negated zero pairs ($10, $11)."""
-    asm = dequantize_asm(dtype)
+def test_ptx_dequantizes_two_words(dtype, first_row):
+    """dequantize_asm: output j holds row first_row + j of a (low half) and of b (high half) as
+    q * s - z in dtype, rounded once, for the column's scale and negated zero pairs ($6, $7)."""
+    asm = dequantize_asm(dtype, first_row)
     rng = random.Random(0)
     for trial in range(40):
         a, b = rng.getrandbits(32), rng.getrandbits(32)
@@ -103,8 +99,8 @@ def test_ptx_dequantizes_two_words(dtype):
             a, b = 0, 0xFFFFFFFF
         s = torch.tensor([rng.uniform(1e-3, 2e-2), rng.uniform(1e-3, 2e-2)]).to(dtype)
         z = (torch.tensor([rng.randrange(16), rng.randrange(16)]) * s.float()).to(dtype)
-        outs = run_ptx(asm, a, b, pack_halves(s), pack_halves(-z))
-        for i, out in enumerate(outs):
+        outs = run_ptx(asm, a, b, pack_halves(s), pack_halves(-z), outputs=4)
+        for i, out in enumerate(outs, start=first_row):
             q = torch.tensor([(a >> 4 * i) & 0xF, (b >> 4 * i) & 0xF]).double()
             expected = (q * s.double() - z.double()).to(dtype)
             assert torch.equal(packed_halves(out, dtype), expected), (hex(a), hex(b), i)

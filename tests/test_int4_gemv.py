@@ -153,11 +153,12 @@ def pack_halves(halves: torch.Tensor) -> int:
 PACKED_FLOATS = {"bf16x2": torch.bfloat16, "f16x2": torch.float16}
 
 
-def run_ptx(asm: str, a: int, b: int = 0, c: int = 0, d: int = 0) -> list[int]:
-    """The 8 outputs of a PTX program of this package for the input registers a ($8), b ($9),
-    c ($10) and d ($11), unsigned 32-bit: int4_gemv's unpack_asm and unpack_f32_asm, int4_gemm's
-    dequantize_asm. Packed 16-bit float arithmetic is computed exactly (float64) and rounded once."""
-    regs = {"$8": a, "$9": b, "$10": c, "$11": d}
+def run_ptx(asm: str, a: int, b: int = 0, c: int = 0, d: int = 0, outputs: int = 8) -> list[int]:
+    """The outputs ($0 ..) of a PTX program of this package for the input registers a, b, c and d
+    (numbered after the outputs), unsigned 32-bit: int4_gemv's unpack_asm and unpack_f32_asm (8
+    outputs), int4_gemm's dequantize_asm (4). Packed 16-bit float arithmetic is computed exactly
+    (float64) and rounded once."""
+    regs = {f"${outputs + i}": v for i, v in enumerate((a, b, c, d))}
     value = lambda operand: regs[operand] if operand in regs else int(operand, 0)
     pattern = r"(prmt\.b32|shr\.u32|shr\.b32|shl\.b32|lop3\.b32|mov\.b32|sub\.rn\.\w+|fma\.rn\.\w+) (.+);"
     instructions = [re.fullmatch(pattern, line.strip()) for line in asm.splitlines()]
@@ -183,7 +184,7 @@ def run_ptx(asm: str, a: int, b: int = 0, c: int = 0, d: int = 0) -> list[int]:
         else:                  # bit j of the result: bit (a_j b_j c_j as a 3-bit number) of the table
             regs[dest] = sum(((v[3] >> (((v[0] >> j) & 1) << 2 | ((v[1] >> j) & 1) << 1 | ((v[2] >> j) & 1))) & 1) << j
                              for j in range(32))
-    return [regs[f"${i}"] for i in range(8)]
+    return [regs[f"${i}"] for i in range(outputs)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -9,10 +9,14 @@ of x come through shared memory. Two packed words a, b of one column (input rows
 int4_gemv's unpacking to 16-bit floats OFFSET + q (a prmt per half word, a shift and a lop3 per
 row), then per pair of weights one packed subtract of OFFSET (exact) and one packed fused
 multiply-add, q * s - z, rounded once as the twin rounds it. A register so holds rows 8r + i and
-8(r + 1) + i of one column; the 8 results are joined into one [128, BLOCK_N] tile whose row 16i + r
-is input row 8r + i (joins and reshapes that only rename registers), and x comes interleaved to
-match (`interleave_rows`, one small kernel: x[:, 8r + i] moved to column 16i + r of each 128), so a step of 128
-input rows is one product, its x tile loaded ahead by the software pipeline with the packed words.
+8(r + 1) + i of one column. A step of 128 input rows is two products: rows i = 0-3 of the words,
+then i = 4-7, each joined into a [64, BLOCK_N] tile whose row 16i + r is input row 8r + i (joins
+and reshapes that only rename registers), x interleaved to match (`interleave_rows`, one small
+kernel: x[:, 8r + i] moved to column 16i + r of each 128) and its tiles loaded ahead by the
+software pipeline with the packed words. Each half adds into its own float32 sums: with one
+accumulator Triton waits for the first product before the second half is dequantized; with two
+it keeps the products in flight, so each half's dequantization runs while the matrix cores work
+(8B projections x36 at 240 rows 10.19 -> 9.55 ms on an H200).
 A step lies inside one group: groups of at least 128 rows that divide K. Few column tiles (o_proj,
 down_proj) leave SMs idle, so K is split there: the splits add into float32 sums in a zeroed
 workspace and the last to arrive writes the output (no kernels around this one).
@@ -23,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from nanovllm.kernels.int4_gemv import MAGIC, bitcast_rows
+from nanovllm.kernels.int4_gemv import MAGIC
 from nanovllm.kernels.triton_compat import pdl_launch, start_next_kernel, tl, triton, wait_for_previous_kernel
 from nanovllm.kernels.zeroed_workspace import zeroed_workspace
 
@@ -38,41 +42,34 @@ class Int4GemmConfig(NamedTuple):
 
 
 # From sweeps of the Qwen3-8B projections on one H200 (`scripts/int_gemm_bench.py --int4-gemm --sweep`,
-# docs/benchmarks.md): up to 128 rows tiles of 64 columns, K split in two (four projections of 36 layers
-# 6.59 ms at 128 rows, int_gemm 11.83); from 129 rows tiles of 128 x 128 in two warp groups, K split
-# in two where K >= N (o_proj, down_proj: few column tiles, long runs of K): 10.24 ms at 256 rows
-# (11.47 split everywhere), int_gemm 14.90; 19.89 against 24.44 at 512 rows. At 1,024 rows int_gemm
-# wins (31.3 against 37.7 ms). Two pipeline stages (more programs per SM) ranked in no projection's best four.
-# Up to 128 rows two shapes run better (2026-12-02, 96 and 128 rows, 9 tiles x split 1/2/4, 6.37 ->
-# 5.98 ms at 128 rows): outputs of at least 4x the inputs (gate_up) in 256-column tiles of 16 warps,
-# K whole (80.5 -> 76.1 us); inputs of at least 2x the outputs (down_proj) in 128 x 128 tiles, K split
-# in four (45.7 -> 39.7 us).
+# docs/benchmarks.md): tiles of 128 x 128 in two warp groups, K split in four up to 128 rows where
+# K >= N (o_proj, down_proj: few column tiles, long runs of K) and in two elsewhere, from 129 rows in
+# two where K >= N and not at all elsewhere (2026-12-02, 128 and 240 rows, 9 tiles x split 1/2/4:
+# the chosen launches best or within 1%). At 1,024 rows int_gemm wins (31.3 against 37.7 ms). Two
+# pipeline stages (more programs per SM) ranked in no projection's best four.
 # The weight-only linear sends 65 rows up to int_dequantize.DEQUANTIZE_FROM_ROWS here on CUDA.
-FEW_ROWS_CONFIG = Int4GemmConfig(64, 128, 4, 3)
-FEW_ROWS_WIDE_CONFIG = Int4GemmConfig(256, 128, 16, 3)
-MANY_ROWS_CONFIG = Int4GemmConfig(128, 128, 8, 4)
+CONFIG = Int4GemmConfig(128, 128, 8, 4)
 
 
-def dequantize_asm(dtype: torch.dtype) -> str:
-    """The PTX that turns two words a ($8), b ($9) of one column, with that column's scale pair
-    ($10) and negated scaled zero pair ($11), into their 8 rows of weights: $i = (row i of b) << 16
-    | (row i of a), each q * s - z in 16 bits. prmt gathers the low (rows 0-3) and the high (rows
-    4-7) halves of both words; per row a shift and a lop3, (t & 0x000F000F) | MAGIC, make the pair
-    OFFSET + q (int4_gemv.unpack_asm); sub removes OFFSET exactly and fma scales, rounding once."""
+def dequantize_asm(dtype: torch.dtype, first_row: int) -> str:
+    """The PTX that turns two words a ($4), b ($5) of one column, with that column's scale pair ($6)
+    and negated scaled zero pair ($7), into rows first_row .. first_row + 3 (0 or 4) of weights: $j =
+    (row first_row + j of b) << 16 | (that row of a), each q * s - z in 16 bits. prmt gathers that
+    half (rows 0-3 or 4-7) of both words; per row a shift and a lop3, (t & 0x000F000F) | MAGIC, make
+    the pair OFFSET + q (int4_gemv.unpack_asm); sub removes OFFSET exactly and fma scales, rounding once."""
     magic_bits, _ = MAGIC[dtype]
     kind = "bf16x2" if dtype == torch.bfloat16 else "f16x2"
     magic = f"{magic_bits * 0x10001:#010x}"
-    lines = ["prmt.b32 lo, $8, $9, 0x5410;", "prmt.b32 hi, $8, $9, 0x7632;", f"mov.b32 m, {magic};"]
-    for i in range(8):
-        half, shift = ("lo", "hi")[i // 4], 4 * (i % 4)
-        source = half
-        if shift:
-            lines.append(f"shr.u32 t, {half}, {shift};")
+    lines = [f"prmt.b32 h, $4, $5, {'0x5410' if first_row == 0 else '0x7632'};", f"mov.b32 m, {magic};"]
+    for j in range(4):
+        source = "h"
+        if j:
+            lines.append(f"shr.u32 t, h, {4 * j};")
             source = "t"
         lines.append(f"lop3.b32 t, {source}, 0x000F000F, {magic}, 0xEA;")
         lines.append(f"sub.rn.{kind} t, t, m;")
-        lines.append(f"fma.rn.{kind} ${i}, t, $10, $11;")
-    return "{\n.reg .b32 lo, hi, t, m;\n" + "\n".join(lines) + "\n}"
+        lines.append(f"fma.rn.{kind} ${j}, t, $6, $7;")
+    return "{\n.reg .b32 h, t, m;\n" + "\n".join(lines) + "\n}"
 
 
 @triton.jit
@@ -83,27 +80,34 @@ def _dequantize_row(words, s, neg_z, I: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _dequantize_rows(words, s, neg_z, ASM: tl.constexpr, USE_PTX: tl.constexpr, DTYPE: tl.constexpr):
-    """The 8 rows of each word as weights in DTYPE (s and neg_z broadcast to the words' shape)."""
+def _dequantize_half(words, s, neg_z, FIRST: tl.constexpr, ASM: tl.constexpr, USE_PTX: tl.constexpr,
+                     DTYPE: tl.constexpr):
+    """Rows FIRST .. FIRST + 3 of each word as weights in DTYPE (s and neg_z broadcast to the words' shape)."""
     if USE_PTX:
         rows = tl.inline_asm_elementwise(
-            asm=ASM, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", args=[words, s, neg_z],
-            dtype=(tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16),
-            is_pure=True, pack=2)
-        return bitcast_rows(rows, DTYPE)
+            asm=ASM, constraints="=r,=r,=r,=r,r,r,r,r", args=[words, s, neg_z],
+            dtype=(tl.int16, tl.int16, tl.int16, tl.int16), is_pure=True, pack=2)
+        return (rows[0].to(DTYPE, bitcast=True), rows[1].to(DTYPE, bitcast=True),
+                rows[2].to(DTYPE, bitcast=True), rows[3].to(DTYPE, bitcast=True))
     else:
-        return (_dequantize_row(words, s, neg_z, 0, DTYPE), _dequantize_row(words, s, neg_z, 1, DTYPE),
-                _dequantize_row(words, s, neg_z, 2, DTYPE), _dequantize_row(words, s, neg_z, 3, DTYPE),
-                _dequantize_row(words, s, neg_z, 4, DTYPE), _dequantize_row(words, s, neg_z, 5, DTYPE),
-                _dequantize_row(words, s, neg_z, 6, DTYPE), _dequantize_row(words, s, neg_z, 7, DTYPE))
+        return (_dequantize_row(words, s, neg_z, FIRST, DTYPE), _dequantize_row(words, s, neg_z, FIRST + 1, DTYPE),
+                _dequantize_row(words, s, neg_z, FIRST + 2, DTYPE), _dequantize_row(words, s, neg_z, FIRST + 3, DTYPE))
+
+
+@triton.jit
+def _half_tile(w):
+    """Four [WORDS, BLOCK_N] rows i of the words as one [4 * WORDS, BLOCK_N] tile whose row 16i + r
+    is word r's row i (joins and reshapes that only rename registers: no data moves)."""
+    quad = tl.join(tl.join(w[0], w[1]), tl.join(w[2], w[3]))
+    return tl.reshape(tl.permute(quad, (3, 2, 0, 1)), (4 * w[0].shape[0], w[0].shape[1]))
 
 
 @triton.jit(do_not_specialize=["M", "NUM_SPLITS"])   # one compiled kernel for every row and split count
 def _int4_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partial_ptr, arrivals_ptr,
                       M, N, K, K_PER_SPLIT, NUM_SPLITS,
                       GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
-                      ASM: tl.constexpr, USE_PTX: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                      NUM_STAGES: tl.constexpr):
+                      ASM_LOW: tl.constexpr, ASM_HIGH: tl.constexpr, USE_PTX: tl.constexpr,
+                      INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
     WORDS: tl.constexpr = 16
     STEP: tl.constexpr = 128
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)   # row tiles of one column tile run together: one weight read
@@ -113,7 +117,9 @@ def _int4_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
     row_ok = rows < M
     dtype = x_ptr.dtype.element_ty
     slab = tl.arange(0, WORDS)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)     # out^T
+    half = tl.arange(0, STEP // 2)
+    acc_low = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)     # out^T
+    acc_high = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_start = tl.program_id(2) * K_PER_SPLIT
     for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), STEP, num_stages=NUM_STAGES):
         kw = k0 // 8 + slab
@@ -121,16 +127,16 @@ def _int4_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
         group = k0 // GROUP_SIZE
         s = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0)
         neg_z = -tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0)
-        w = _dequantize_rows(words, tl.broadcast_to(s[None, :], (WORDS, BLOCK_N)),
-                             tl.broadcast_to(neg_z[None, :], (WORDS, BLOCK_N)), ASM, USE_PTX, dtype)
-        # the step's weights as one [STEP, BLOCK_N] tile, row 16i + r holding input row 8r + i (joins
-        # and reshapes only rename registers: no data moves)
-        pairs = (tl.join(w[0], w[1]), tl.join(w[2], w[3]), tl.join(w[4], w[5]), tl.join(w[6], w[7]))
-        quads = (tl.join(pairs[0], pairs[1]), tl.join(pairs[2], pairs[3]))
-        tile = tl.reshape(tl.permute(tl.join(quads[0], quads[1]), (4, 3, 2, 0, 1)), (STEP, BLOCK_N))
-        # x interleaved to match: its columns 16i + r of this step are x's 8r + i
-        x = tl.load(x_ptr + rows[:, None] * K + (k0 + tl.arange(0, STEP))[None, :], mask=row_ok[:, None], other=0.0)
-        acc = tl.dot(tl.trans(tile), tl.trans(x), acc, input_precision=INPUT_PRECISION)
+        s = tl.broadcast_to(s[None, :], (WORDS, BLOCK_N))
+        neg_z = tl.broadcast_to(neg_z[None, :], (WORDS, BLOCK_N))
+        # rows 0-3 of the words, then 4-7: two products, each into its own sums (see the docstring)
+        low = _half_tile(_dequantize_half(words, s, neg_z, 0, ASM_LOW, USE_PTX, dtype))
+        x = tl.load(x_ptr + rows[:, None] * K + (k0 + half)[None, :], mask=row_ok[:, None], other=0.0)
+        acc_low = tl.dot(tl.trans(low), tl.trans(x), acc_low, input_precision=INPUT_PRECISION)
+        high = _half_tile(_dequantize_half(words, s, neg_z, 4, ASM_HIGH, USE_PTX, dtype))
+        x = tl.load(x_ptr + rows[:, None] * K + (k0 + STEP // 2 + half)[None, :], mask=row_ok[:, None], other=0.0)
+        acc_high = tl.dot(tl.trans(high), tl.trans(x), acc_high, input_precision=INPUT_PRECISION)
+    acc = acc_low + acc_high
     offsets = rows[:, None] * N + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT:
@@ -186,12 +192,8 @@ def gemm_supported(k: int, group_size: int, g_idx: torch.Tensor | None, bits: in
 def launch_for(m: int, n: int, k: int) -> tuple[Int4GemmConfig, int]:
     """The tile and the K split for an [m, k] @ [k, n] product."""
     if m <= 128:
-        if n >= 4 * k:
-            return FEW_ROWS_WIDE_CONFIG, 1
-        if k >= 2 * n:
-            return MANY_ROWS_CONFIG, 4
-        return FEW_ROWS_CONFIG, 2
-    return MANY_ROWS_CONFIG, 2 if k >= n else 1
+        return CONFIG, 4 if k >= n else 2
+    return CONFIG, 2 if k >= n else 1
 
 
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,
@@ -224,7 +226,8 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
         partial = arrivals = out   # unused
     _int4_gemm_kernel[grid](interleave_rows(x), qweight, scales, scaled_zeros, out, partial, arrivals, m, n, k,
                             k_per_split, split_k, GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_M=block_m,
-                            SPLIT=split_k > 1, ASM=dequantize_asm(x.dtype) if use_ptx else "", USE_PTX=use_ptx,
+                            SPLIT=split_k > 1, ASM_LOW=dequantize_asm(x.dtype, 0) if use_ptx else "",
+                            ASM_HIGH=dequantize_asm(x.dtype, 4) if use_ptx else "", USE_PTX=use_ptx,
                             INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
                             NUM_STAGES=num_stages, num_warps=num_warps)
     return out
