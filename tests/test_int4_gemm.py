@@ -2,7 +2,7 @@
 and float16 through float32 dequantization; bfloat16 and float16 through the inline PTX on CUDA):
 row and column tiles with partial edges, K split or not, groups of one step and of several, the
 interleaved x it reads; its PTX, emulated instruction by instruction (tests/test_int4_gemv.py's
-run_ptx), dequantizes two words into q * s - z rounded once; the weight-only layer sends 65 rows
+run_ptx), dequantizes two words into q * s - z rounded once; the weight-only layer sends 33 rows
 up to DEQUANTIZE_FROM_ROWS to it on CUDA."""
 
 import random
@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from nanovllm.kernels.int4_gemm import (CONFIG, Int4GemmConfig, dequantize_asm, gemm_supported, int4_gemm,
+from nanovllm.kernels.int4_gemm import (CONFIG, FEW_ROWS_CONFIG, Int4GemmConfig, dequantize_asm, gemm_supported, int4_gemm,
                                         interleave_rows, interleave_rows_ref, launch_for)
 from nanovllm.kernels.int_dequantize import DEQUANTIZE_FROM_ROWS
 from nanovllm.kernels.int_gemm import int_gemm_ref
@@ -46,13 +46,14 @@ def test_groups_of_several_steps_and_the_chosen_launch(group_size):
     torch.testing.assert_close(out, ref, **tolerance(dtype))
 
 
+@pytest.mark.parametrize("rows", [40, 70])
 @pytest.mark.parametrize("k,n", [(128, 520), (512, 96)])
-def test_the_chosen_launches_up_to_128_rows(k, n):
-    """Outputs of 4x the inputs: partial 128-column tiles, K one step; inputs of 5x the outputs: K
-    split in four, one step each."""
+def test_the_chosen_launches_up_to_128_rows(k, n, rows):
+    """Outputs of 4x the inputs: partial column tiles, K one step; inputs of 5x the outputs: K split
+    in four, one step each; 40 rows on the 64 x 64 tiles, 70 on the 128 x 128 ones."""
     dtype = DTYPES[0]
     layer = awq_layer(k, n, 128, dtype, seed=5)
-    x = torch.randn(70, k, generator=torch.Generator().manual_seed(6)).to(DEVICE, dtype)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(6)).to(DEVICE, dtype)
     out, ref = both(x, layer, 128)
     torch.testing.assert_close(out, ref, **tolerance(dtype))
 
@@ -62,12 +63,15 @@ def test_split_k_leaves_its_workspace_zero():
 
 
 def test_launch_choice():
-    """128 x 128 tiles; K split in four up to 128 rows and in two from 129 where K >= N (few column
-    tiles), in two and not at all where K < N."""
-    assert launch_for(100, 4096, 4096) == (CONFIG, 4) and launch_for(100, 4096, 12288) == (CONFIG, 4)
+    """Up to 64 rows 64 x 64 tiles, K split in four but whole for outputs of 4x the inputs; then
+    128 x 128 tiles, K split in four up to 128 rows and in two above where K >= N (few column tiles),
+    in two and not at all where K < N."""
+    assert launch_for(33, 4096, 4096) == (FEW_ROWS_CONFIG, 4) and launch_for(64, 6144, 4096) == (FEW_ROWS_CONFIG, 4)
+    assert launch_for(64, 24576, 4096) == (FEW_ROWS_CONFIG, 1)
+    assert launch_for(65, 4096, 4096) == (CONFIG, 4) and launch_for(100, 4096, 12288) == (CONFIG, 4)
     assert launch_for(128, 6144, 4096) == (CONFIG, 2)
     assert launch_for(129, 4096, 4096) == (CONFIG, 2) and launch_for(256, 24576, 4096) == (CONFIG, 1)
-    assert CONFIG.block_n == CONFIG.block_m == 128
+    assert FEW_ROWS_CONFIG.block_n == FEW_ROWS_CONFIG.block_m == 64 and CONFIG.block_n == CONFIG.block_m == 128
 
 
 def test_interleave_moves_column_8r_plus_i_to_16i_plus_r():
@@ -118,7 +122,7 @@ def test_supported_layers():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the layer sends work to the Triton kernels on CUDA only")
-@pytest.mark.parametrize("rows,expect_gemm", [(64, False), (65, True), (DEQUANTIZE_FROM_ROWS - 1, True),
+@pytest.mark.parametrize("rows,expect_gemm", [(32, False), (33, True), (DEQUANTIZE_FROM_ROWS - 1, True),
                                               (DEQUANTIZE_FROM_ROWS, False)])
 def test_weight_only_layer_routes_decode_batches_to_the_gemm(monkeypatch, rows, expect_gemm):
     assert_layer_routes(monkeypatch, "int4_gemm", rows, expect_gemm)

@@ -1,4 +1,4 @@
-"""Products of decode batches (from 65 rows) with 4-bit weights in int_gemm's layout (AWQ and GPTQ after
+"""Products of decode batches (from 33 rows) with 4-bit weights in int_gemm's layout (AWQ and GPTQ after
 loading): y = x @ W, W[k, n] = q[k, n] * scales[g, n] - scaled_zeros[g, n], g = k // group_size.
 
 From about a hundred rows the matrix cores are the pace, so the weight must reach them as 16-bit
@@ -42,12 +42,16 @@ class Int4GemmConfig(NamedTuple):
 
 
 # From sweeps of the Qwen3-8B projections on one H200 (`scripts/int_gemm_bench.py --int4-gemm --sweep`,
-# docs/benchmarks.md): tiles of 128 x 128 in two warp groups, K split in four up to 128 rows where
-# K >= N (o_proj, down_proj: few column tiles, long runs of K) and in two elsewhere, from 129 rows in
-# two where K >= N and not at all elsewhere (2026-12-02, 128 and 240 rows, 9 tiles x split 1/2/4:
-# the chosen launches best or within 1%). At 1,024 rows int_gemm wins (31.3 against 37.7 ms). Two
-# pipeline stages (more programs per SM) ranked in no projection's best four.
-# The weight-only linear sends 65 rows up to int_dequantize.DEQUANTIZE_FROM_ROWS here on CUDA.
+# 9 tiles x split 1/2/4, 2026-12-02, docs/benchmarks.md). Up to 64 rows 64 x 64 tiles of one warp
+# group, K split in four but for outputs of at least 4x the inputs (gate_up, K whole): the best
+# launch of every projection at 32, 48 and 64 rows (x36 at 64 rows 4.03 ms against 5.41 on the
+# 128 x 128 tiles, bf16 4.09). From 65 rows 128 x 128 tiles of two warp groups, K split where K >= N
+# (o_proj, down_proj: few column tiles, long runs of K) in four up to 128 rows and in two above,
+# where K < N in two up to 128 rows and not at all above (at 128 and 240 rows the best launch or
+# within 1%). At 1,024 rows int_gemm wins (31.3 against 37.7 ms).
+# The weight-only linear sends int4_gemv.GEMV_MAX_ROWS + 1 rows up to
+# int_dequantize.DEQUANTIZE_FROM_ROWS here on CUDA.
+FEW_ROWS_CONFIG = Int4GemmConfig(64, 64, 4, 3)
 CONFIG = Int4GemmConfig(128, 128, 8, 4)
 
 
@@ -191,6 +195,8 @@ def gemm_supported(k: int, group_size: int, g_idx: torch.Tensor | None, bits: in
 
 def launch_for(m: int, n: int, k: int) -> tuple[Int4GemmConfig, int]:
     """The tile and the K split for an [m, k] @ [k, n] product."""
+    if m <= 64:
+        return FEW_ROWS_CONFIG, 1 if n >= 4 * k else 4
     if m <= 128:
         return CONFIG, 4 if k >= n else 2
     return CONFIG, 2 if k >= n else 1

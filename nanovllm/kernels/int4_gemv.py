@@ -39,8 +39,9 @@ from nanovllm.kernels.zeroed_workspace import PendingSums, zeroed_workspace
 # int4_gemm, then int_gemm). Measured with `scripts/int_gemm_bench.py --int4-gemv` (Qwen3-8B projections of 36
 # layers, docs/benchmarks.md): on one H100 2.82 ms (the 16-row tile; element-wise now 2.15) against
 # int_gemm's 4.46 at one row, 4.11 against 4.69 at 16; on one H200, in TILE_CONFIG's tiles, 3.99 ms
-# against 6.01 at 32 rows and 6.53 against 7.03 at 64 (int4_gemm 6.60 at 65 rows).
-GEMV_MAX_ROWS = 64
+# at 32 rows. From 33 rows int4_gemm on 64 x 64 tiles is faster (2026-12-02, one H200: AWQ TPOT at
+# batch 40 and 56 7.67 / 7.90 ms through this GEMV, 6.64 / 6.84 through int4_gemm's 128 x 128 tiles).
+GEMV_MAX_ROWS = 32
 
 # The 16-bit float whose halves the unpacking writes q into: bit pattern and value, by activation dtype.
 MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
@@ -60,7 +61,7 @@ class Int4GemvConfig(NamedTuple):
 
 # 2-16 rows: 256 columns x 16 words a step, ~2.5 SASS instructions per weight in the loop (sm_90, Triton 3.9)
 DEFAULT_CONFIG = Int4GemvConfig(256, 128, 4, 3)
-# 17-64 rows: tiles of 32 rows and 128 columns, each weight unpacked once for 32 rows. Of eight tiles
+# 17-32 rows: tiles of 32 rows and 128 columns, each weight unpacked once for 32 rows. Of eight tiles
 # of 32-128 rows (`--int4-gemv --sweep --batch 32 64 128 256`, one H200) the best, or within 3% of
 # it, for the 8B projections at 32 and 64 rows, but for gate_up at 32 (55 us against 49 in 64 columns)
 TILE_CONFIG = Int4GemvConfig(128, 128, 4, 3, block_m=32)
