@@ -16,7 +16,7 @@ kernel: x[:, 8r + i] moved to column 16i + r of each 128) and its tiles loaded a
 software pipeline with the packed words. Each half adds into its own float32 sums: with one
 accumulator Triton waits for the first product before the second half is dequantized; with two
 it keeps the products in flight, so each half's dequantization runs while the matrix cores work
-(8B projections x36 at 240 rows 10.19 -> 9.55 ms on an H200).
+(8B projections x36 at 240 rows 10.26 -> 9.63 ms on an H200).
 A step lies inside one group: groups of at least 128 rows that divide K. Few column tiles (o_proj,
 down_proj) leave SMs idle, so K is split there: the splits add into float32 sums in a zeroed
 workspace and the last to arrive writes the output (no kernels around this one).
