@@ -39,8 +39,8 @@ from nanovllm.kernels.zeroed_workspace import PendingSums, zeroed_workspace
 # int4_gemm, then int_gemm). Measured with `scripts/int_gemm_bench.py --int4-gemv` (Qwen3-8B projections of 36
 # layers, docs/benchmarks.md): on one H100 2.82 ms (the 16-row tile; element-wise now 2.15) against
 # int_gemm's 4.46 at one row, 4.11 against 4.69 at 16; on one H200, in TILE_CONFIG's tiles, 3.99 ms
-# at 32 rows. From 33 rows int4_gemm on 64 x 64 tiles is faster (2026-12-02, one H200: AWQ TPOT at
-# batch 40 and 56 7.67 / 7.90 ms through this GEMV, 6.64 / 6.84 through int4_gemm's 128 x 128 tiles).
+# at 32 rows. From 33 rows int4_gemm is faster (2026-12-02, one H200, one call: AWQ TPOT at batch
+# 40 and 56 7.69 / 7.92 ms through this GEMV, 5.27 / 5.50 through int4_gemm's 64 x 64 tiles).
 GEMV_MAX_ROWS = 32
 
 # The 16-bit float whose halves the unpacking writes q into: bit pattern and value, by activation dtype.
