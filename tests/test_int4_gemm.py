@@ -2,14 +2,20 @@
 and float16 through float32 dequantization; bfloat16 and float16 through the inline PTX on CUDA):
 row and column tiles with partial edges, K split or not, groups of one step and of several, the
 interleaved x it reads; its PTX, emulated instruction by instruction (tests/test_int4_gemv.py's
-run_ptx), dequantizes two words into q * s - z rounded once; the weight-only layer sends 33 rows
-up to DEQUANTIZE_FROM_ROWS to it on CUDA."""
+run_ptx), dequantizes two words into q * s - z rounded once; built for sm_90a (no GPU needed), ptxas keeps
+its matrix-core products in flight; the weight-only layer sends 33 rows up to DEQUANTIZE_FROM_ROWS
+to it on CUDA."""
 
+import os
 import random
+import subprocess
+import sys
+import tempfile
 
 import pytest
 import torch
 
+from nanovllm.kernels import int4_gemm as int4_gemm_module
 from nanovllm.kernels.int4_gemm import (CONFIG, FEW_ROWS_CONFIG, Int4GemmConfig, dequantize_asm, gemm_supported,
                                         int4_gemm, interleave_rows, interleave_rows_ref, launch_for)
 from nanovllm.kernels.int_dequantize import DEQUANTIZE_FROM_ROWS
@@ -88,6 +94,48 @@ def test_interleave_kernel_matches_its_twin(m, k):
     """Partial row blocks; runs of one step (K not a multiple of 512) and of four."""
     x = torch.randn(m, k, dtype=torch.float16, device=DEVICE)
     assert torch.equal(interleave_rows(x), interleave_rows_ref(x))
+
+
+def hopper_ptxas_log(config: Int4GemmConfig, split: bool) -> str:
+    """ptxas's report on _int4_gemm_kernel built for sm_90a as int4_gemm launches it for bfloat16
+    (Triton compiles for a target without a GPU and its own ptxas assembles; outside the interpreter,
+    so the test runs this in a child process)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource, compile as triton_compile
+    kernel = int4_gemm_module._int4_gemm_kernel
+    index = {name: i for i, name in enumerate(kernel.arg_names)}
+    constants = dict(GROUP_SIZE=128, BLOCK_N=config.block_n, BLOCK_M=config.block_m, SPLIT=split,
+                     ASM_LOW=dequantize_asm(torch.bfloat16, 0), ASM_HIGH=dequantize_asm(torch.bfloat16, 4),
+                     USE_PTX=True, INPUT_PRECISION=None, NUM_STAGES=config.num_stages)
+    signature = {name: "i32" for name in kernel.arg_names}
+    signature.update(x_ptr="*bf16", qweight_ptr="*i32", scales_ptr="*bf16", zeros_ptr="*bf16", out_ptr="*bf16",
+                     partial_ptr="*fp32", arrivals_ptr="*i32", **{name: "constexpr" for name in constants})
+    aligned = ["x_ptr", "qweight_ptr", "scales_ptr", "zeros_ptr", "out_ptr", "partial_ptr", "arrivals_ptr", "N", "K",
+               "K_PER_SPLIT"]
+    source = ASTSource(kernel, signature, {(index[name],): value for name, value in constants.items()},
+                       attrs={(index[name],): [["tt.divisibility", 16]] for name in aligned})
+    ptx = triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": config.num_warps}).asm["ptx"]
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", path + ".cubin"],
+                             capture_output=True, text=True, check=True)
+    return run.stdout + run.stderr
+
+
+def test_hopper_build_keeps_the_products_in_flight():
+    """ptxas may serialize wgmma (each product waits for the one before): it did for every launch
+    while the K loop could run zero times (the sums' zeros set again on the path around it)."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    script = ("from tests.test_int4_gemm import CONFIG, FEW_ROWS_CONFIG, hopper_ptxas_log\n"
+              "print(hopper_ptxas_log(CONFIG, False), hopper_ptxas_log(FEW_ROWS_CONFIG, True))")
+    log = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+    assert log.count("Compiling entry function '_int4_gemm_kernel' for 'sm_90a'") == 2, log
+    assert "C7515" not in log and "serialized" not in log, log
+    assert log.count("0 bytes spill stores") == 2, log
 
 
 @pytest.mark.parametrize("first_row", [0, 4])

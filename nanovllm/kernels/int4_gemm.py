@@ -125,7 +125,12 @@ def _int4_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
     acc_low = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)     # out^T
     acc_high = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_start = tl.program_id(2) * K_PER_SPLIT
-    for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), STEP, num_stages=NUM_STAGES):
+    # a count of steps the compiler sees is at least one (the host never launches an empty split): with
+    # a loop that may run zero times, the sums' zeros are set again on the path around it, and ptxas
+    # then waits for every product before the next (C7515 'wgmma.mma_async instructions are serialized')
+    steps = tl.maximum(tl.cdiv(tl.minimum(K_PER_SPLIT, K - k_start), STEP), 1)
+    for step in tl.range(0, steps, num_stages=NUM_STAGES):
+        k0 = k_start + step * STEP
         kw = k0 // 8 + slab
         words = tl.load(qweight_ptr + kw[:, None] * N + cols[None, :], mask=col_ok[None, :], other=0)
         group = k0 // GROUP_SIZE
