@@ -47,7 +47,8 @@ def test_readme_is_a_front_door():
     text = README.read_text()
     assert len(text) <= README_MAX_CHARS, f"README.md has {len(text)} characters; move detail into docs/"
     # .ci/run and CI run the test command the README gives
-    assert "```bash\npython -m pytest -q\n```" in text
+    command = "python -m pytest -q -n 2 --dist loadfile"
+    assert f"```bash\n{command}\n```" in text and f"\n{command}\n" in (REPO / ".ci" / "run").read_text()
     assert "(docs/throughput_vs_floor.png)" in text
 
 
