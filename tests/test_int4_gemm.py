@@ -3,7 +3,7 @@ and float16 through float32 dequantization; bfloat16 and float16 through the inl
 row and column tiles with partial edges, K split or not, groups of one step and of several, the
 interleaved x it reads; its PTX, emulated instruction by instruction (tests/test_int4_gemv.py's
 run_ptx), dequantizes two words into q * s - z rounded once; built for sm_90a (no GPU needed), ptxas keeps
-its matrix-core products in flight; the weight-only layer sends 33 rows up to DEQUANTIZE_FROM_ROWS
+its matrix-core products in flight; the weight-only layer sends 17 rows up to DEQUANTIZE_FROM_ROWS
 to it on CUDA."""
 
 import os
@@ -170,7 +170,7 @@ def test_supported_layers():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the layer sends work to the Triton kernels on CUDA only")
-@pytest.mark.parametrize("rows,expect_gemm", [(32, False), (33, True), (DEQUANTIZE_FROM_ROWS - 1, True),
+@pytest.mark.parametrize("rows,expect_gemm", [(16, False), (17, True), (DEQUANTIZE_FROM_ROWS - 1, True),
                                               (DEQUANTIZE_FROM_ROWS, False)])
 def test_weight_only_layer_routes_decode_batches_to_the_gemm(monkeypatch, rows, expect_gemm):
     assert_layer_routes(monkeypatch, "int4_gemm", rows, expect_gemm)

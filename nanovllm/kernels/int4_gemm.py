@@ -1,4 +1,4 @@
-"""Products of decode batches (from 33 rows) with 4-bit weights in int_gemm's layout (AWQ and GPTQ after
+"""Products of decode batches (from 17 rows) with 4-bit weights in int_gemm's layout (AWQ and GPTQ after
 loading): y = x @ W, W[k, n] = q[k, n] * scales[g, n] - scaled_zeros[g, n], g = k // group_size.
 
 From about a hundred rows the matrix cores are the pace, so the weight must reach them as 16-bit

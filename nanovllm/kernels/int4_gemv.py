@@ -38,10 +38,11 @@ from nanovllm.kernels.zeroed_workspace import PendingSums, zeroed_workspace
 # The weight-only linear sends 4-bit products of at most this many rows here on CUDA (more to
 # int4_gemm, then int_gemm). Measured with `scripts/int_gemm_bench.py --int4-gemv` (Qwen3-8B projections of 36
 # layers, docs/benchmarks.md): on one H100 2.82 ms (the 16-row tile; element-wise now 2.15) against
-# int_gemm's 4.46 at one row, 4.11 against 4.69 at 16; on one H200, in TILE_CONFIG's tiles, 3.99 ms
-# at 32 rows. From 33 rows int4_gemm is faster (2026-12-02, one H200, one call: AWQ TPOT at batch
-# 40 and 56 7.69 / 7.92 ms through this GEMV, 5.27 / 5.50 through int4_gemm's 64 x 64 tiles).
-GEMV_MAX_ROWS = 32
+# int_gemm's 4.46 at one row, 4.11 against 4.69 at 16. From 17 rows int4_gemm is faster (one H200,
+# one call, 2026-12-02: x36 3.74 / 3.75 ms at 24 / 32 rows against 3.93 / 4.00 here in the 32-row
+# tiles it had then, bf16 3.91 / 3.95; AWQ TPOT at batch 24 / 32 5.064 / 5.119 ms through this GEMV, 4.824 / 4.892
+# through int4_gemm); at 16 rows this GEMV's 2.60 ms beats int4_gemm's 3.71.
+GEMV_MAX_ROWS = 16
 
 # The 16-bit float whose halves the unpacking writes q into: bit pattern and value, by activation dtype.
 MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
@@ -56,15 +57,11 @@ class Int4GemvConfig(NamedTuple):
     num_stages: int
     sub_words: int = 16     # one row: words per sub-step (the rows of a tile each lane holds)
     block_m: int = 16       # rows per program above one row (the matrix cores' smallest tile: 16);
-                            # larger tiles unpack each weight once for more rows (TILE_CONFIG)
+                            # larger tiles unpack each weight once for more rows
 
 
 # 2-16 rows: 256 columns x 16 words a step, ~2.5 SASS instructions per weight in the loop (sm_90, Triton 3.9)
 DEFAULT_CONFIG = Int4GemvConfig(256, 128, 4, 3)
-# 17-32 rows: tiles of 32 rows and 128 columns, each weight unpacked once for 32 rows. Of eight tiles
-# of 32-128 rows (`--int4-gemv --sweep --batch 32 64 128 256`, one H200) the best, or within 3% of
-# it, for the 8B projections at 32 and 64 rows, but for gate_up at 32 (55 us against 49 in 64 columns)
-TILE_CONFIG = Int4GemvConfig(128, 128, 4, 3, block_m=32)
 # One row, from sweeps of the Qwen3-8B projections on one H100 (docs/benchmarks.md): single-warp
 # programs in sub-steps of 2 words (~3.5 instructions per weight), of 64 columns (qkv, o and down:
 # 9.6, 8.3 and 14.9 us against 9.8, 9.0 and 16.4 for four-warp programs of 256) or, for wide layers
@@ -293,8 +290,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
     n = qweight.shape[1]
     one_row = m == 1 and k * n >= ONE_ROW_MIN_WEIGHTS
     if config is None:
-        config = (WIDE_ONE_ROW_CONFIG if n >= 4 * k else ONE_ROW_CONFIG) if one_row else \
-            DEFAULT_CONFIG if m <= DEFAULT_CONFIG.block_m else TILE_CONFIG
+        config = (WIDE_ONE_ROW_CONFIG if n >= 4 * k else ONE_ROW_CONFIG) if one_row else DEFAULT_CONFIG
     block_n, block_k, num_warps, num_stages, sub_words, tile_rows = config
     if not gemv_supported(k, group_size, None, 4, config):
         raise ValueError(f"int4_gemv: group_size {group_size} must be at least 128, divide K = {k} and, when "

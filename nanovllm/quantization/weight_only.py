@@ -1,6 +1,6 @@
 """What AWQ and GPTQ share: integer weights with a scale and zero per group of input rows, turned
 once after loading into the layout of nanovllm/kernels/int_gemm.py and multiplied there (on the
-GPU, 16-bit activations; 4 bits by nanovllm/kernels/int4_gemv.py up to 32 rows and
+GPU, 16-bit activations; 4 bits by nanovllm/kernels/int4_gemv.py up to 16 rows and
 nanovllm/kernels/int4_gemm.py below DEQUANTIZE_FROM_ROWS; prefills by cuBLAS on the weight dequantized
 by nanovllm/kernels/int_dequantize.py) or by its torch twin (on the CPU, and for float32).
 Activations stay unquantized: weight-only quantization.
