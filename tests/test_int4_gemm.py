@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from nanovllm.kernels import int4_gemm as int4_gemm_module
-from nanovllm.kernels.int4_gemm import (CONFIG, FEW_ROWS_CONFIG, Int4GemmConfig, dequantize_asm, gemm_supported,
+from nanovllm.kernels.int4_gemm import (CONFIG, FEW_ROWS_CONFIG, SMALL_CONFIG, Int4GemmConfig, dequantize_asm, gemm_supported,
                                         int4_gemm, interleave_rows, interleave_rows_ref, launch_for)
 from nanovllm.kernels.int_dequantize import DEQUANTIZE_FROM_ROWS
 from nanovllm.kernels.int_gemm import int_gemm_ref
@@ -52,11 +52,11 @@ def test_groups_of_several_steps_and_the_chosen_launch(group_size):
     torch.testing.assert_close(out, ref, **tolerance(dtype))
 
 
-@pytest.mark.parametrize("rows", [40, 70])
+@pytest.mark.parametrize("rows", [20, 40, 70])
 @pytest.mark.parametrize("k,n", [(128, 520), (512, 96)])
 def test_the_chosen_launches_up_to_128_rows(k, n, rows):
     """Outputs of 4x the inputs: partial column tiles, K one step; inputs of 5x the outputs: K split
-    in four, one step each; 40 rows on the 64 x 64 tiles, 70 on the 128 x 128 ones."""
+    in four, one step each; 20 rows on the 64 x 32 tiles, 40 on the 64 x 64, 70 on the 128 x 128."""
     dtype = DTYPES[0]
     layer = awq_layer(k, n, 128, dtype, seed=5)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(6)).to(DEVICE, dtype)
@@ -69,14 +69,17 @@ def test_split_k_leaves_its_workspace_zero():
 
 
 def test_launch_choice():
-    """Up to 64 rows 64 x 64 tiles, K split in four but whole for outputs of 4x the inputs; then
-    128 x 128 tiles, K split in four up to 128 rows and in two above where K >= N (few column tiles),
-    in two and not at all where K < N."""
+    """Up to 32 rows 64 x 32 tiles, up to 64 rows 64 x 64, K split in four; then 128 x 128 tiles, K
+    split in four up to 128 rows and in two above where K >= N (few column tiles), in two and not at
+    all above where K < N; outputs of 4x the inputs keep K whole up to 128 rows."""
+    assert launch_for(17, 4096, 4096) == (SMALL_CONFIG, 4) and launch_for(32, 4096, 12288) == (SMALL_CONFIG, 4)
+    assert launch_for(32, 24576, 4096) == (SMALL_CONFIG, 1)
     assert launch_for(33, 4096, 4096) == (FEW_ROWS_CONFIG, 4) and launch_for(64, 6144, 4096) == (FEW_ROWS_CONFIG, 4)
     assert launch_for(64, 24576, 4096) == (FEW_ROWS_CONFIG, 1)
     assert launch_for(65, 4096, 4096) == (CONFIG, 4) and launch_for(100, 4096, 12288) == (CONFIG, 4)
-    assert launch_for(128, 6144, 4096) == (CONFIG, 2)
+    assert launch_for(128, 6144, 4096) == (CONFIG, 2) and launch_for(128, 24576, 4096) == (CONFIG, 1)
     assert launch_for(129, 4096, 4096) == (CONFIG, 2) and launch_for(256, 24576, 4096) == (CONFIG, 1)
+    assert (SMALL_CONFIG.block_n, SMALL_CONFIG.block_m) == (64, 32)
     assert FEW_ROWS_CONFIG.block_n == FEW_ROWS_CONFIG.block_m == 64 and CONFIG.block_n == CONFIG.block_m == 128
 
 
@@ -129,13 +132,14 @@ def test_hopper_build_keeps_the_products_in_flight():
     """ptxas may serialize wgmma (each product waits for the one before): it did for every launch
     while the K loop could run zero times (the sums' zeros set again on the path around it)."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    script = ("from tests.test_int4_gemm import CONFIG, FEW_ROWS_CONFIG, hopper_ptxas_log\n"
-              "print(hopper_ptxas_log(CONFIG, False), hopper_ptxas_log(FEW_ROWS_CONFIG, True))")
+    script = ("from tests.test_int4_gemm import CONFIG, FEW_ROWS_CONFIG, SMALL_CONFIG, hopper_ptxas_log\n"
+              "print(hopper_ptxas_log(CONFIG, False), hopper_ptxas_log(FEW_ROWS_CONFIG, True), "
+              "hopper_ptxas_log(SMALL_CONFIG, True))")
     log = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
-    assert log.count("Compiling entry function '_int4_gemm_kernel' for 'sm_90a'") == 2, log
+    assert log.count("Compiling entry function '_int4_gemm_kernel' for 'sm_90a'") == 3, log
     assert "C7515" not in log and "serialized" not in log, log
-    assert log.count("0 bytes spill stores") == 2, log
+    assert log.count("0 bytes spill stores") == 3, log
 
 
 @pytest.mark.parametrize("first_row", [0, 4])

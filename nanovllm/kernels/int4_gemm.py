@@ -42,15 +42,17 @@ class Int4GemmConfig(NamedTuple):
 
 
 # From sweeps of the Qwen3-8B projections on one H200 (`scripts/int_gemm_bench.py --int4-gemm --sweep`,
-# 9 tiles x split 1/2/4, 2026-12-02, docs/benchmarks.md). Up to 64 rows 64 x 64 tiles of one warp
-# group, K split in four but for outputs of at least 4x the inputs (gate_up, K whole): the best
-# launch of every projection at 32, 48 and 64 rows (x36 at 64 rows 4.03 ms against 5.41 on the
-# 128 x 128 tiles, bf16 4.09). From 65 rows 128 x 128 tiles of two warp groups, K split where K >= N
-# (o_proj, down_proj: few column tiles, long runs of K) in four up to 128 rows and in two above,
-# where K < N in two up to 128 rows and not at all above (at 128 and 240 rows the best launch or
-# within 1%). At 1,024 rows int_gemm wins (31.3 against 37.7 ms).
+# 2026-12-02, docs/benchmarks.md). Up to 32 rows 64 x 32 tiles of one warp group (112 registers: four
+# programs an SM), up to 64 rows 64 x 64 (three an SM), K split in four but for outputs of at least
+# 4x the inputs (gate_up, K whole): the best launch of every projection at 17-64 rows (x36 at 32 rows
+# 3.27 ms on 64 x 32 against 3.74 on 64 x 64, bf16 3.92). From 65 rows 128 x 128 tiles of two warp
+# groups; K whole for outputs of 4x the inputs up to 128 rows (gate_up at 128 rows 74.0 against 77.2
+# us split in two), else split where K >= N (o_proj, down_proj: few column tiles, long runs of K) in
+# four up to 128 rows and in two above, where K < N in two up to 128 rows and not at all above (at
+# 128 and 240 rows the best launch or within 3%). At 1,024 rows int_gemm wins (31.3 against 37.7 ms).
 # The weight-only linear sends int4_gemv.GEMV_MAX_ROWS + 1 rows up to
 # int_dequantize.DEQUANTIZE_FROM_ROWS here on CUDA.
+SMALL_CONFIG = Int4GemmConfig(64, 32, 4, 3)
 FEW_ROWS_CONFIG = Int4GemmConfig(64, 64, 4, 3)
 CONFIG = Int4GemmConfig(128, 128, 8, 4)
 
@@ -200,8 +202,10 @@ def gemm_supported(k: int, group_size: int, g_idx: torch.Tensor | None, bits: in
 
 def launch_for(m: int, n: int, k: int) -> tuple[Int4GemmConfig, int]:
     """The tile and the K split for an [m, k] @ [k, n] product."""
+    if m <= 128 and n >= 4 * k:
+        return SMALL_CONFIG if m <= 32 else FEW_ROWS_CONFIG if m <= 64 else CONFIG, 1
     if m <= 64:
-        return FEW_ROWS_CONFIG, 1 if n >= 4 * k else 4
+        return SMALL_CONFIG if m <= 32 else FEW_ROWS_CONFIG, 4
     if m <= 128:
         return CONFIG, 4 if k >= n else 2
     return CONFIG, 2 if k >= n else 1
