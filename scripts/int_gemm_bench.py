@@ -19,7 +19,7 @@ overflow the L2 cache, so every call reads its weights from memory, as in a deco
     PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemv  # the 4-bit GEMV at M = 1, 2, 4, 8, 16
     PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemv --sweep --batch 1 16   # its launch shapes too
     PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemv --sweep --batch 32 64 128 256   # tiles of more rows
-    PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemm --sweep   # the 4-bit GEMM at 128-1024 rows
+    PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemm --sweep   # the 4-bit GEMM at 17-1,024 rows
 
 With --w8a8, the float8 GEMM an FP8 layer runs after quantizing the activations (the route
 Fp8LinearMethod.route picks in nanovllm/quantization/fp8.py: the transposed Triton kernel on
@@ -83,9 +83,10 @@ INT4_TILE_CANDIDATES = [Int4GemvConfig(*c) for c in [
     (128, 128, 8, 3, 16, 64), (128, 128, 8, 4, 16, 64), (64, 128, 8, 3, 16, 128), (128, 128, 8, 3, 16, 128)]]
 
 # --int4-gemm --sweep: (block_n, block_m, warps, stages), each with K split in 1, 2 and 4
-INT4_GEMM_CANDIDATES = [Int4GemmConfig(*c) for c in [(64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 4),
+INT4_GEMM_CANDIDATES = [Int4GemmConfig(*c) for c in [(64, 32, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3),
+                                                     (128, 128, 8, 4), (64, 32, 4, 4), (128, 32, 8, 3),
                                                      (64, 64, 4, 2), (64, 128, 4, 2), (128, 128, 8, 2),
-                                                     (128, 64, 8, 2), (64, 128, 8, 3), (64, 256, 8, 2)]]
+                                                     (128, 64, 8, 2), (64, 128, 8, 3)]]
 
 # --int4-gemv --sweep at one row: (block_n, block_k, warps, stages, sub_words), each also with split
 # K at 2, 4, 8, 16 and 32
@@ -363,7 +364,7 @@ def int4_gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -
 
 
 def check_int4_gemm() -> None:
-    check_against_twin("int4 GEMM", int4_gemm, (65, 128, 200, 256), lambda m: INT4_GEMM_CANDIDATES)
+    check_against_twin("int4 GEMM", int4_gemm, (20, 65, 128, 200, 256), lambda m: INT4_GEMM_CANDIDATES)
 
 
 def int4_gemm_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> None:
@@ -422,7 +423,7 @@ def main() -> None:
     modes = {"w8a8": ([16, 32, 64, 96, 128, 160, 192, 224, 256, 512], None, w8a8_table),
              "gemv": ([1, 2, 4, 8, 16], check_gemv, gemv_table),
              "int4_gemv": ([1, 2, 4, 8, 16], check_int4_gemv, int4_gemv_table),
-             "int4_gemm": ([128, 256, 384, 512, 1024, 4096], check_int4_gemm, int4_gemm_table)}
+             "int4_gemm": ([17, 32, 64, 128, 240, 384, 1024], check_int4_gemm, int4_gemm_table)}
     for mode, (rows, check_kernels, table) in modes.items():
         if getattr(args, mode):
             args.batch = args.batch or rows
