@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from nanovllm.kernels import int4_gemm as int4_gemm_module
-from nanovllm.kernels.int4_gemm import (CONFIG, FEW_ROWS_CONFIG, SMALL_CONFIG, Int4GemmConfig, dequantize_asm, gemm_supported,
-                                        int4_gemm, interleave_rows, interleave_rows_ref, launch_for)
+from nanovllm.kernels.int4_gemm import (CONFIG, FEW_ROWS_CONFIG, SMALL_CONFIG, Int4GemmConfig, dequantize_asm,
+                                        gemm_supported, int4_gemm, interleave_rows, interleave_rows_ref, launch_for)
 from nanovllm.kernels.int_dequantize import DEQUANTIZE_FROM_ROWS
 from nanovllm.kernels.int_gemm import int_gemm_ref
 from tests.test_int4_gemv import (DEVICE, DTYPES, assert_layer_routes, assert_splits_leave_the_workspace_zero, awq_layer,

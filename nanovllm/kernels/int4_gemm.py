@@ -45,7 +45,7 @@ class Int4GemmConfig(NamedTuple):
 # 2026-12-02, docs/benchmarks.md). Up to 32 rows 64 x 32 tiles of one warp group (112 registers: four
 # programs an SM), up to 64 rows 64 x 64 (three an SM), K split in four but for outputs of at least
 # 4x the inputs (gate_up, K whole): the best launch of every projection at 17-64 rows (x36 at 32 rows
-# 3.27 ms on 64 x 32 against 3.74 on 64 x 64, bf16 3.92). From 65 rows 128 x 128 tiles of two warp
+# 3.28 ms on 64 x 32 against 3.74 on 64 x 64, bf16 3.96). From 65 rows 128 x 128 tiles of two warp
 # groups; K whole for outputs of 4x the inputs up to 128 rows (gate_up at 128 rows 74.0 against 77.2
 # us split in two), else split where K >= N (o_proj, down_proj: few column tiles, long runs of K) in
 # four up to 128 rows and in two above, where K < N in two up to 128 rows and not at all above (at
@@ -202,13 +202,12 @@ def gemm_supported(k: int, group_size: int, g_idx: torch.Tensor | None, bits: in
 
 def launch_for(m: int, n: int, k: int) -> tuple[Int4GemmConfig, int]:
     """The tile and the K split for an [m, k] @ [k, n] product."""
-    if m <= 128 and n >= 4 * k:
-        return SMALL_CONFIG if m <= 32 else FEW_ROWS_CONFIG if m <= 64 else CONFIG, 1
-    if m <= 64:
-        return SMALL_CONFIG if m <= 32 else FEW_ROWS_CONFIG, 4
-    if m <= 128:
-        return CONFIG, 4 if k >= n else 2
-    return CONFIG, 2 if k >= n else 1
+    tile = SMALL_CONFIG if m <= 32 else FEW_ROWS_CONFIG if m <= 64 else CONFIG
+    if m > 128:
+        return tile, 2 if k >= n else 1
+    if n >= 4 * k:      # gate_up: column tiles enough without a split
+        return tile, 1
+    return tile, 4 if m <= 64 or k >= n else 2
 
 
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,
