@@ -20,6 +20,7 @@ overflow the L2 cache, so every call reads its weights from memory, as in a deco
     PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemv --sweep --batch 1 16   # its launch shapes too
     PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemv --sweep --batch 32 64 128 256   # tiles of more rows
     PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemm --sweep   # the 4-bit GEMM at 17-1,024 rows
+    PYTHONPATH=. python scripts/int_gemm_bench.py --tflops    # each format's route in TFLOP/s at 16-256 rows
 
 With --w8a8, the float8 GEMM an FP8 layer runs after quantizing the activations (the route
 Fp8LinearMethod.route picks in nanovllm/quantization/fp8.py: the transposed Triton kernel on
@@ -39,6 +40,7 @@ PROGRAMS_PER_SM (--programs-per-sm) and with none.
 import argparse
 import json
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +56,7 @@ from nanovllm.kernels.int_dequantize import dequantized_matmul
 from nanovllm.kernels.int_gemm import DECODE_CONFIG, SWAPPED_CONFIGS, LaunchConfig, int_gemm, int_gemm_ref
 from nanovllm.quantization.fp8 import GEMV_MAX_ROWS, Fp8LinearMethod
 from nanovllm.quantization.int_packing import awq_for_gemm, dequantize_awq
+from nanovllm.quantization.weight_only import WeightOnlyIntMethod
 from nanovllm.checkpoints.quantized_checkpoint import quantize_awq
 
 L2_BYTES = 50 << 20
@@ -401,6 +404,33 @@ def int4_gemm_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -
               f"{num_layers * t['dequantized'] * 1e3:.2f} ms, bf16 {num_layers * t['bf16'] * 1e3:.2f} ms")
 
 
+def tflops_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> None:
+    """Each format's linear method (its route at these rows) in TFLOP/s against bfloat16 cuBLAS, per projection."""
+    group, awq, fp8 = args.group_size, WeightOnlyIntMethod(4), Fp8LinearMethod()
+    totals = {}
+    print(f"{'layer':13} {'M':>4} {'bf16 us':>8} {'TFLOP/s':>7} {'AWQ us':>8} {'TFLOP/s':>7} {'x bf16':>6} "
+          f"{'FP8 us':>8} {'TFLOP/s':>7} {'x bf16':>6}")
+    for name, (k, n) in shapes.items():
+        layers, weights16, _ = int4_layer_copies(k, n, group, torch.bfloat16)
+        layers = [SimpleNamespace(**layer, group_size=group, g_idx=None) for layer in layers]
+        fp8_layers = copies_beyond_l2(lambda: random_fp8_layer(k, n, None), n * k)
+        for m in args.batch:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t = {"bf16": graph_time([lambda w=w: F.linear(x, w) for w in weights16]),
+                 "awq": graph_time([lambda l=l: awq.apply(l, x) for l in layers]),
+                 "fp8": graph_time([lambda l=l: fp8.multiply(x, l[0], l[1], k) for l in fp8_layers])}
+            add_to_totals(totals, m, t)
+            tflops = {key: 2 * m * n * k / v / 1e12 for key, v in t.items()}
+            print(f"{name:13} {m:4d} {t['bf16'] * 1e6:8.1f} {tflops['bf16']:7.0f} {t['awq'] * 1e6:8.1f} "
+                  f"{tflops['awq']:7.0f} {t['bf16'] / t['awq']:6.2f} {t['fp8'] * 1e6:8.1f} {tflops['fp8']:7.0f} "
+                  f"{t['bf16'] / t['fp8']:6.2f}", flush=True)
+        del layers, weights16, fp8_layers
+        torch.cuda.empty_cache()
+    for m, t in totals.items():
+        print(f"M={m:<4d} four projections x{num_layers} layers (ms): "
+              + ", ".join(f"{key} {v * num_layers * 1e3:.2f}" for key, v in t.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/qwen3-8b.json")
@@ -413,6 +443,7 @@ def main() -> None:
     parser.add_argument("--w8a8", action="store_true", help="float8 GEMMs (quantized activations) at decode sizes")
     parser.add_argument("--int4-gemv", action="store_true", help="the 4-bit GEMV against int_gemm and bf16")
     parser.add_argument("--int4-gemm", action="store_true", help="the 4-bit GEMM against int_gemm and bf16")
+    parser.add_argument("--tflops", action="store_true", help="each format's route in TFLOP/s beside bf16")
     args = parser.parse_args()
     with open(args.config) as f:
         model = json.load(f)
@@ -423,7 +454,8 @@ def main() -> None:
     modes = {"w8a8": ([16, 32, 64, 96, 128, 160, 192, 224, 256, 512], None, w8a8_table),
              "gemv": ([1, 2, 4, 8, 16], check_gemv, gemv_table),
              "int4_gemv": ([1, 2, 4, 8, 16], check_int4_gemv, int4_gemv_table),
-             "int4_gemm": ([17, 32, 64, 128, 240, 384, 1024], check_int4_gemm, int4_gemm_table)}
+             "int4_gemm": ([17, 32, 64, 128, 240, 384, 1024], check_int4_gemm, int4_gemm_table),
+             "tflops": ([16, 64, 128, 256], None, tflops_table)}
     for mode, (rows, check_kernels, table) in modes.items():
         if getattr(args, mode):
             args.batch = args.batch or rows
