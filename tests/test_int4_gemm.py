@@ -104,7 +104,6 @@ def hopper_ptxas_log(config: Int4GemmConfig, split: bool) -> str:
     (Triton compiles for a target without a GPU and its own ptxas assembles; outside the interpreter,
     so the test runs this in a child process)."""
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource, compile as triton_compile
     kernel = int4_gemm_module._int4_gemm_kernel
     index = {name: i for i, name in enumerate(kernel.arg_names)}
@@ -118,7 +117,13 @@ def hopper_ptxas_log(config: Int4GemmConfig, split: bool) -> str:
                "K_PER_SPLIT"]
     source = ASTSource(kernel, signature, {(index[name],): value for name, value in constants.items()},
                        attrs={(index[name],): [["tt.divisibility", 16]] for name in aligned})
-    ptx = triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": config.num_warps}).asm["ptx"]
+    return ptxas_report(triton_compile(source, target=GPUTarget("cuda", 90, 32),
+                                       options={"num_warps": config.num_warps}).asm["ptx"])
+
+
+def ptxas_report(ptx: str) -> str:
+    """What Triton's ptxas says (-v) assembling this PTX for sm_90a: registers, spills, serialized wgmma."""
+    from triton.backends.nvidia.compiler import get_ptxas
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "kernel.ptx")
         with open(path, "w") as f:

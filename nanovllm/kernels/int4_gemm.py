@@ -210,6 +210,22 @@ def launch_for(m: int, n: int, k: int) -> tuple[Int4GemmConfig, int]:
     return tile, 4 if m <= 64 or k >= n else 2
 
 
+def k_splits(k: int, split_k: int) -> tuple[int, int]:
+    """(input rows per split, whole steps; the splits that makes) for K split in about split_k."""
+    split_k = max(1, min(split_k, k // STEP))
+    k_per_split = triton.cdiv(k // STEP, split_k) * STEP
+    return k_per_split, triton.cdiv(k, k_per_split)
+
+
+def split_workspace(out: torch.Tensor, grid: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 sums and arrival counts of a launch whose grid splits K (grid[2] > 1), zero between
+    calls (the kernel leaves them so); unused placeholders otherwise."""
+    if grid[2] == 1:
+        return out, out
+    return (zeroed_workspace(out.device, torch.float32, out.numel()),
+            zeroed_workspace(out.device, torch.int32, grid[0] * grid[1]))
+
+
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,
               group_size: int, config: Int4GemmConfig | None = None, split_k: int | None = None) -> torch.Tensor:
     """x [M, K] @ the 4-bit packed weight -> [M, N] in x's dtype: bfloat16/float16 on CUDA (float32
@@ -225,19 +241,13 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
         raise ValueError(f"int4_gemm: qweight has {qweight.shape[0]} packed rows, K = {k} needs {k // 8}")
     chosen, chosen_split = launch_for(m, n, k)
     block_n, block_m, num_warps, num_stages = config or chosen
-    split_k = max(1, min(split_k or chosen_split, k // STEP))
-    k_per_split = triton.cdiv(k // STEP, split_k) * STEP
-    split_k = triton.cdiv(k, k_per_split)
+    k_per_split, split_k = k_splits(k, split_k or chosen_split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     use_ptx = x.is_cuda and x.dtype in MAGIC
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
-    if split_k > 1:   # float32 sums and arrival counts, zero between calls (the kernel leaves them so)
-        partial = zeroed_workspace(x.device, torch.float32, m * n)
-        arrivals = zeroed_workspace(x.device, torch.int32, grid[0] * grid[1])
-    else:
-        partial = arrivals = out   # unused
+    partial, arrivals = split_workspace(out, grid)
     _int4_gemm_kernel[grid](interleave_rows(x), qweight, scales, scaled_zeros, out, partial, arrivals, m, n, k,
                             k_per_split, split_k, GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_M=block_m,
                             SPLIT=split_k > 1, ASM_LOW=dequantize_asm(x.dtype, 0) if use_ptx else "",

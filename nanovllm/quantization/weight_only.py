@@ -1,7 +1,8 @@
 """What AWQ and GPTQ share: integer weights with a scale and zero per group of input rows, turned
 once after loading into the layout of nanovllm/kernels/int_gemm.py and multiplied there (on the
 GPU, 16-bit activations; 4 bits by nanovllm/kernels/int4_gemv.py up to 16 rows and
-nanovllm/kernels/int4_gemm.py below DEQUANTIZE_FROM_ROWS; prefills by cuBLAS on the weight dequantized
+nanovllm/kernels/int4_gemm.py below DEQUANTIZE_FROM_ROWS, from 65 rows on Hopper its Gluon twin
+nanovllm/kernels/int4_gemm_hopper.py; prefills by cuBLAS on the weight dequantized
 by nanovllm/kernels/int_dequantize.py) or by its torch twin (on the CPU, and for float32).
 Activations stay unquantized: weight-only quantization.
 """
@@ -10,6 +11,7 @@ from torch import nn
 
 from nanovllm.kernels import int4_gemv as int4_gemv_module
 from nanovllm.kernels.int4_gemm import gemm_supported, int4_gemm
+from nanovllm.kernels.int4_gemm_hopper import int4_gemm_hopper, takes as hopper_gemm_takes
 from nanovllm.kernels.int4_gemv import gemv_supported, int4_gemv
 from nanovllm.kernels.int_dequantize import DEQUANTIZE_FROM_ROWS, dequantized_matmul
 from nanovllm.kernels.int_gemm import int_gemm, int_gemm_ref
@@ -66,7 +68,7 @@ class WeightOnlyIntMethod(LinearMethod):
             if leave_sums:
                 return y
         elif self.takes_gemm(layer, x2):
-            y = int4_gemm(x2, *args, layer.group_size)
+            y = (int4_gemm_hopper if hopper_gemm_takes(x2) else int4_gemm)(x2, *args, layer.group_size)
         else:   # prefills of every format through the dequantized weight; the rest through int_gemm
             multiply = dequantized_matmul if x2.shape[0] >= DEQUANTIZE_FROM_ROWS else int_gemm
             y = multiply(x2, *args, self.bits, layer.group_size, layer.g_idx)

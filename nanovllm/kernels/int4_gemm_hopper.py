@@ -1,0 +1,204 @@
+"""int4_gemm's product for 65 rows and more on Hopper, written in Gluon: Triton's lower layer, where
+the program itself places the loads, the products and the waits that tl.dot's pipelining places.
+
+The same arithmetic as int4_gemm.py (two packed words of a column dequantized to 16 weights by its
+`dequantize_asm`, the weight tile the matrix cores' register operand, out^T = W^T x^T on x interleaved
+by its `interleave_rows`), scheduled differently: x and the packed words of each 128-row step come by
+TMA into a ring of STAGES buffers, each signalled by an mbarrier; a step's two products (rows 0-3 of
+the words, then 4-7) each add into their own float32 sums and the program waits after each product
+until one is left in flight, so one half is dequantized while the other multiplies. (With one set of
+sums chained across steps the results came out wrong on an H200, Triton 3.6; with two they match the
+twin.) 128 x 128 tiles of two warp groups, K split as int4_gemm's `launch_for` splits it. On one H200
+(2026-12-02) the 8B projections x36 at 96 / 128 / 160 / 192 / 256 rows took 5.06 / 5.31 / 8.05 / 7.84
+/ 8.01 ms against int4_gemm's 5.51 / 5.72 / 8.96 / 8.94 / 8.68; at 64 rows 5.03 against 3.82 (its 64 x
+64 tiles). Gluon runs only compiled, so there is no interpreter path: the twin is int_gemm's
+`int_gemm_ref`, checked on the GPU, and the build for sm_90a is checked without one.
+"""
+import torch
+
+from nanovllm.kernels.int4_gemm import (STEP, dequantize_asm, gemm_supported, interleave_rows, k_splits, launch_for,
+                                        split_workspace)
+from nanovllm.kernels.triton_compat import cuda_major_capability, triton
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    HAS_GLUON = True
+    # names that moved between Triton releases (3.6 on the GPU machines, 3.9 here)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _sync_threads = getattr(gl, "barrier", None) or gl.thread_barrier
+except ImportError:
+    HAS_GLUON = False
+
+HOPPER_FROM_ROWS = 65       # below, int4_gemm's 64 x 64 and 64 x 32 tiles are faster (docstring)
+BLOCK_N, BLOCK_M, STAGES, NUM_WARPS = 128, 128, 4, 8
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether int4_gemm_hopper multiplies these rows: 16-bit, on a Hopper GPU, HOPPER_FROM_ROWS or more."""
+    return HAS_GLUON and x.shape[0] >= HOPPER_FROM_ROWS and x.dtype in (torch.bfloat16, torch.float16) \
+        and cuda_major_capability(x) == 9
+
+
+if HAS_GLUON:
+    @gluon.jit
+    def _dequantize(words, s, neg_z, ASM: gl.constexpr, LAYOUT: gl.constexpr):
+        """Four rows of each word (dequantize_asm) joined into the [BLOCK_N, 64] register operand whose
+        column 16i + r is word r's row i (joins, permutes and reshapes that rename registers)."""
+        rows = gl.inline_asm_elementwise(asm=ASM, constraints="=r,=r,=r,=r,r,r,r,r", args=[words, s, neg_z],
+                                         dtype=(gl.int16, gl.int16, gl.int16, gl.int16), is_pure=True, pack=2)
+        dtype: gl.constexpr = s.dtype
+        quad = gl.join(gl.join(rows[0].to(dtype, bitcast=True), rows[1].to(dtype, bitcast=True)),
+                       gl.join(rows[2].to(dtype, bitcast=True), rows[3].to(dtype, bitcast=True)))
+        tile = gl.reshape(gl.permute(quad, (3, 2, 0, 1)), (4 * words.shape[0], words.shape[1]))
+        return gl.convert_layout(gl.permute(tile, (1, 0)), LAYOUT)
+
+    @gluon.jit
+    def _load_step(step, k_start, off_m, off_n, x_desc, w_desc, x_smem, w_smem, ready, STAGES: gl.constexpr):
+        """TMA of one step's packed words and its two halves of x into buffer step % STAGES."""
+        stage = step % STAGES
+        k0 = k_start + step * 128
+        mbarrier.expect(ready.index(stage), 2 * x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        _tma_load(w_desc, [k0 // 8, off_n], ready.index(stage), w_smem.index(stage))
+        _tma_load(x_desc, [off_m, k0], ready.index(stage), x_smem.index(2 * stage))
+        _tma_load(x_desc, [off_m, k0 + 64], ready.index(stage), x_smem.index(2 * stage + 1))
+
+    @gluon.jit
+    def _halves(t):
+        """[R, C] -> its column halves (the column's top bit is a register's: nothing moves)."""
+        return gl.split(gl.permute(gl.reshape(t, [t.shape[0], 2, t.shape[1] // 2]), (0, 2, 1)))
+
+    @gluon.jit
+    def _piece_offsets(piece, row0, off_n, M, N):
+        rows = row0 + gl.arange(0, piece.shape[1], layout=gl.SliceLayout(0, piece.type.layout))
+        cols = off_n + gl.arange(0, piece.shape[0], layout=gl.SliceLayout(1, piece.type.layout))
+        offsets = gl.expand_dims(rows, 0) * N + gl.expand_dims(cols, 1)
+        return offsets, gl.expand_dims(rows < M, 0) & gl.expand_dims(cols < N, 1)
+
+    @gluon.jit
+    def _int4_gemm_hopper_kernel(x_desc, w_desc, scales_ptr, zeros_ptr, out_ptr, partial_ptr, arrivals_ptr,
+                                 M, N, K, K_PER_SPLIT, NUM_SPLITS, GROUP_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                                 BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                                 ASM_LOW: gl.constexpr, ASM_HIGH: gl.constexpr, num_warps: gl.constexpr):
+        sums_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                              instr_shape=[16, BLOCK_M, 16])
+        weight_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=sums_layout, k_width=2)
+        # each thread holds words r, r + 1 (one dequantize_asm call) of columns c and c + 8, rows r + 8
+        # and r + 9 too, warp w columns 16w to 16w + 15 (128 columns, 8 warps): after _dequantize, the
+        # registers the matrix cores take for those weights
+        words_layout: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[1, 0], [0, 8], [8, 0]], lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
+            warp_bases=[[0, 16], [0, 32], [0, 64]], block_bases=[], shape=[16, BLOCK_N])
+        dtype: gl.constexpr = x_desc.dtype
+        pid_m, pid_n = gl.program_id(0), gl.program_id(1)
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        k_start = gl.program_id(2) * K_PER_SPLIT
+        steps = gl.maximum(gl.cdiv(gl.minimum(K_PER_SPLIT, K - k_start), 128), 1)
+
+        x_smem = gl.allocate_shared_memory(dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+        for i in gl.static_range(STAGES - 1):
+            if i < steps:
+                _load_step(i, k_start, off_m, off_n, x_desc, w_desc, x_smem, w_smem, ready, STAGES)
+
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, words_layout))
+        col_ok = cols < N
+        group = k_start // GROUP_SIZE
+        s_next = gl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0)
+        z_next = gl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0)
+        sums_low = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=sums_layout)
+        sums_high = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=sums_layout)
+        high = gl.zeros([BLOCK_N, 64], dtype, layout=weight_layout)
+        for step in range(steps):
+            stage = step % STAGES
+            s_now, z_now = s_next, z_next
+            if step + 1 < steps:     # the next step's scales load while this one computes
+                group = (k_start + (step + 1) * 128) // GROUP_SIZE
+                s_next = gl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0)
+                z_next = gl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0)
+            mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+            words = w_smem.index(stage).load(words_layout)
+            s, _ = gl.broadcast(gl.expand_dims(s_now, 0), words)
+            neg_z, _ = gl.broadcast(gl.expand_dims(-z_now, 0), words)
+            # a product's register operand stays alive until the wait that retires the product
+            low = _dequantize(words, s, neg_z, ASM_LOW, weight_layout)
+            sums_low = warpgroup_mma(low, x_smem.index(2 * stage).permute((1, 0)), sums_low, is_async=True)
+            sums_low, sums_high, high = warpgroup_mma_wait(num_outstanding=1, deps=(sums_low, sums_high, high))
+            high = _dequantize(words, s, neg_z, ASM_HIGH, weight_layout)
+            sums_high = warpgroup_mma(high, x_smem.index(2 * stage + 1).permute((1, 0)), sums_high, is_async=True)
+            sums_low, sums_high, low = warpgroup_mma_wait(num_outstanding=1, deps=(sums_low, sums_high, low))
+            # the buffer the next load fills was read by the last step's products, now retired in every warp
+            _sync_threads()
+            if step + STAGES - 1 < steps:
+                _load_step(step + STAGES - 1, k_start, off_m, off_n, x_desc, w_desc, x_smem, w_smem, ready, STAGES)
+        sums_low, sums_high = warpgroup_mma_wait(num_outstanding=0, deps=(sums_low, sums_high))
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+
+        # out^T leaves in [BLOCK_N, BLOCK_M / 4] pieces: pointers for the whole tile would take every register
+        halves = _halves(sums_low + sums_high)
+        if SPLIT:
+            # the splits add into float32 sums in a zeroed workspace; the last to arrive writes the
+            # output and leaves sums and count at zero (as int4_gemm)
+            for h in gl.static_range(2):
+                quarters = _halves(halves[h])
+                for q in gl.static_range(2):
+                    offsets, mask = _piece_offsets(quarters[q], off_m + (2 * h + q) * (BLOCK_M // 4), off_n, M, N)
+                    gl.atomic_add(partial_ptr + offsets, quarters[q], mask=mask, sem="relaxed")
+            _sync_threads()
+            arrivals = arrivals_ptr + pid_n * gl.num_programs(0) + pid_m
+            if gl.atomic_add(arrivals, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                rows_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
+                for r in gl.static_range(BLOCK_M // 32):
+                    rows = off_m + r * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, rows_layout))
+                    out_cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, rows_layout))
+                    row_offsets = gl.expand_dims(rows, 1) * N + gl.expand_dims(out_cols, 0)
+                    row_mask = gl.expand_dims(rows < M, 1) & gl.expand_dims(out_cols < N, 0)
+                    total = gl.load(partial_ptr + row_offsets, mask=row_mask, other=0.0, cache_modifier=".cg")
+                    gl.store(out_ptr + row_offsets, total.to(dtype), mask=row_mask)
+                    gl.store(partial_ptr + row_offsets, gl.zeros_like(total), mask=row_mask)
+                gl.store(arrivals, 0)
+        else:
+            for h in gl.static_range(2):
+                quarters = _halves(halves[h])
+                for q in gl.static_range(2):
+                    offsets, mask = _piece_offsets(quarters[q], off_m + (2 * h + q) * (BLOCK_M // 4), off_n, M, N)
+                    gl.store(out_ptr + offsets, quarters[q].to(dtype), mask=mask)
+
+
+def shared_layouts(dtype: torch.dtype) -> tuple:
+    """The TMA buffers' layouts: x's rows of 64 as the matrix cores read them (128-byte swizzle), the
+    packed words plain (their rows are 512 bytes, wider than any swizzle)."""
+    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, 64], gl_dtype),
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+
+
+def int4_gemm_hopper(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,
+                     group_size: int, split_k: int | None = None) -> torch.Tensor:
+    """int4_gemm on a Hopper GPU (takes(x)): x [M, K] 16-bit @ the 4-bit packed weight -> [M, N]."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    if not gemm_supported(k, group_size, None, 4) or qweight.shape[0] * 8 != k:
+        raise ValueError(f"int4_gemm_hopper: needs groups of a multiple of {STEP} rows dividing K = {k} and "
+                         f"{k // 8} packed rows; got group_size {group_size}, {qweight.shape[0]} packed rows")
+    k_per_split, split_k = k_splits(k, split_k or launch_for(m, n, k)[1])
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), split_k)
+    partial, arrivals = split_workspace(out, grid)
+    x_layout, words_layout = shared_layouts(x.dtype)
+    xi = interleave_rows(x)
+    x_desc = TensorDescriptor(xi, list(xi.shape), list(xi.stride()), [BLOCK_M, 64], x_layout)
+    w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, BLOCK_N], words_layout)
+    _int4_gemm_hopper_kernel[grid](x_desc, w_desc, scales, scaled_zeros, out, partial, arrivals, m, n, k,
+                                   k_per_split, split_k, GROUP_SIZE=group_size, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
+                                   STAGES=STAGES, SPLIT=split_k > 1, ASM_LOW=dequantize_asm(x.dtype, 0),
+                                   ASM_HIGH=dequantize_asm(x.dtype, 4), num_warps=NUM_WARPS)
+    return out

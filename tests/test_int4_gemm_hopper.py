@@ -1,0 +1,103 @@
+"""int4_gemm's Gluon kernel for Hopper against int_gemm's torch twin (on a Hopper GPU: Gluon has no
+interpreter): partial row and column tiles, K split or not, groups of several steps, the workspace
+left zero; built for sm_90a without a GPU, ptxas keeps its products in flight and spills nothing;
+the weight-only layer sends 65 rows and more to it on Hopper."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nanovllm.kernels import int4_gemm_hopper as hopper
+from nanovllm.kernels.int4_gemm import dequantize_asm
+from nanovllm.kernels.int_gemm import int_gemm_ref
+from tests.test_int4_gemm import ptxas_report
+from tests.test_int4_gemv import (DEVICE, assert_layer_routes, assert_splits_leave_the_workspace_zero, awq_layer,
+                                  tolerance)
+
+ON_HOPPER = DEVICE == "cuda" and hopper.HAS_GLUON and torch.cuda.get_device_capability()[0] == 9
+needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="Gluon kernels run compiled, on a Hopper GPU")
+
+
+def both(x, layer, group_size, config=None, split_k=None):
+    args = (layer["qweight"], layer["scales"], layer["scaled_zeros"])
+    return hopper.int4_gemm_hopper(x, *args, group_size, split_k=split_k), int_gemm_ref(x, *args, 4, group_size)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,split_k", [(65, None), (130, 1), (130, 3), (300, 2)])
+def test_matches_twin(dtype, rows, split_k):
+    """200 columns: a partial column tile; 130 and 300 rows: partial row tiles; K = 512 split in 3:
+    uneven runs of steps."""
+    k, n, group_size = 512, 200, 128
+    layer = awq_layer(k, n, group_size, dtype, seed=2)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE, dtype)
+    out, ref = both(x, layer, group_size, split_k=split_k)
+    assert out.dtype == dtype and out.shape == (rows, n)
+    torch.testing.assert_close(out, ref, **tolerance(dtype))
+
+
+@needs_hopper
+@pytest.mark.parametrize("group_size", [256, 512])      # two steps per group; one group (per channel)
+def test_groups_of_several_steps(group_size):
+    layer = awq_layer(512, 96, group_size, torch.bfloat16, seed=3)
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.bfloat16)
+    out, ref = both(x, layer, group_size)
+    torch.testing.assert_close(out, ref, **tolerance(torch.bfloat16))
+
+
+@needs_hopper
+def test_splits_leave_the_workspace_zero():
+    assert_splits_leave_the_workspace_zero(both, (70, 150), None)
+
+
+@needs_hopper
+@pytest.mark.parametrize("rows,expect_hopper", [(hopper.HOPPER_FROM_ROWS - 1, False), (hopper.HOPPER_FROM_ROWS, True),
+                                                (300, True)])
+def test_weight_only_layer_routes_to_it_on_hopper(monkeypatch, rows, expect_hopper):
+    assert_layer_routes(monkeypatch, "int4_gemm_hopper", rows, expect_hopper)
+
+
+def test_takes_16_bit_rows_on_hopper_only():
+    assert not hopper.takes(torch.zeros(128, 256, dtype=torch.bfloat16))       # on the CPU
+    if ON_HOPPER:
+        assert hopper.takes(torch.zeros(hopper.HOPPER_FROM_ROWS, 256, dtype=torch.bfloat16, device="cuda"))
+        assert not hopper.takes(torch.zeros(128, 256, dtype=torch.float32, device="cuda"))
+
+
+def hopper_ptxas_log(split: bool) -> str:
+    """ptxas's report on the kernel built for sm_90a as int4_gemm_hopper launches it for bfloat16
+    (compiled for a target without a GPU; outside the interpreter, so the test runs this in a child)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile
+    from triton.experimental import gluon
+    kernel = hopper._int4_gemm_hopper_kernel
+    index = {name: i for i, name in enumerate(kernel.arg_names)}
+    constants = dict(GROUP_SIZE=128, BLOCK_N=hopper.BLOCK_N, BLOCK_M=hopper.BLOCK_M, STAGES=hopper.STAGES,
+                     SPLIT=split, ASM_LOW=dequantize_asm(torch.bfloat16, 0), ASM_HIGH=dequantize_asm(torch.bfloat16, 4),
+                     num_warps=hopper.NUM_WARPS)
+    x_layout, words_layout = hopper.shared_layouts(torch.bfloat16)
+    signature = {name: "i32" for name in kernel.arg_names}
+    signature.update(x_desc=f"tensordesc<bf16[{hopper.BLOCK_M}, 64],{x_layout!r}>",
+                     w_desc=f"tensordesc<i32[16, {hopper.BLOCK_N}],{words_layout!r}>", scales_ptr="*bf16",
+                     zeros_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", arrivals_ptr="*i32",
+                     **{name: "constexpr" for name in constants})
+    aligned = ["scales_ptr", "zeros_ptr", "out_ptr", "partial_ptr", "arrivals_ptr", "N", "K", "K_PER_SPLIT"]
+    source = gluon._runtime.GluonASTSource(kernel, signature, {(index[name],): v for name, v in constants.items()},
+                                           attrs={(index[name],): [["tt.divisibility", 16]] for name in aligned})
+    return ptxas_report(triton_compile(source, target=GPUTarget("cuda", 90, 32),
+                                       options={"num_warps": hopper.NUM_WARPS}).asm["ptx"])
+
+
+@pytest.mark.skipif(not hopper.HAS_GLUON, reason="needs Triton's Gluon")
+def test_hopper_build_keeps_the_products_in_flight():
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    script = "from tests.test_int4_gemm_hopper import hopper_ptxas_log\nprint(hopper_ptxas_log(False), hopper_ptxas_log(True))"
+    log = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+    assert log.count("Compiling entry function '_int4_gemm_hopper_kernel' for 'sm_90a'") == 2, log
+    assert "C751" not in log and "serialized" not in log, log
+    assert log.count("0 bytes spill stores") == 2, log
