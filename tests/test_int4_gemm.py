@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from nanovllm.kernels import int4_gemm as int4_gemm_module
+from nanovllm.kernels import int4_gemm_hopper
 from nanovllm.kernels.int4_gemm import (CONFIG, FEW_ROWS_CONFIG, SMALL_CONFIG, Int4GemmConfig, dequantize_asm,
                                         gemm_supported, int4_gemm, interleave_rows, interleave_rows_ref, launch_for)
 from nanovllm.kernels.int_dequantize import DEQUANTIZE_FROM_ROWS
@@ -182,4 +183,5 @@ def test_supported_layers():
 @pytest.mark.parametrize("rows,expect_gemm", [(16, False), (17, True), (DEQUANTIZE_FROM_ROWS - 1, True),
                                               (DEQUANTIZE_FROM_ROWS, False)])
 def test_weight_only_layer_routes_decode_batches_to_the_gemm(monkeypatch, rows, expect_gemm):
-    assert_layer_routes(monkeypatch, "int4_gemm", rows, expect_gemm)
+    on_hopper = int4_gemm_hopper.takes(torch.zeros(rows, 256, dtype=torch.bfloat16, device=DEVICE))
+    assert_layer_routes(monkeypatch, "int4_gemm", rows, expect_gemm and not on_hopper)   # there its Gluon twin
