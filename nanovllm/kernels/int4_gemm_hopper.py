@@ -26,10 +26,10 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     HAS_GLUON = True
-    # names that moved between Triton releases (3.6 on the GPU machines, 3.9 here)
+    # names that moved between Triton releases (checked on 3.6 and 3.9)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _sync_threads = getattr(gl, "barrier", None) or gl.thread_barrier
-except ImportError:
+except (ImportError, AttributeError):    # no Triton, or one whose Gluon lacks these
     HAS_GLUON = False
 
 HOPPER_FROM_ROWS = 65       # below, int4_gemm's 64 x 64 and 64 x 32 tiles are faster (docstring)
