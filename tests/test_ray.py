@@ -178,19 +178,6 @@ def test_bad_arguments_name_themselves(model, replicas):
 
 # ---- a replica dies --------------------------------------------------------------------------------
 
-def kill_on_first_output(monkeypatch, victim):
-    """Kill `victim` (an actor) as soon as the first output reaches the driver's progress bar."""
-    killed = []
-
-    class KillingBar(nanovllm_ray.tqdm):
-        def update(self, n=1):
-            if n and not killed:
-                ray.kill(victim)
-                killed.append(victim)
-            return super().update(n)
-    monkeypatch.setattr(nanovllm_ray, "tqdm", KillingBar)
-
-
 def kill_once_output_arrives(monkeypatch, victim, index: int):
     """Kill `victim` (an actor) as soon as the driver has received the output of request `index`
     (which it keeps): on a loaded machine the other replica's outputs may come first."""
@@ -237,11 +224,10 @@ def test_dead_replica_work_is_retried_then_the_last_death_is_named(model, single
         assert wait_until_gone([pids[victim]]) == []
 
         # the survivor carries on alone; when it dies too, the error names it
-        monkeypatch.setattr(nanovllm_ray, "ray", ray)
         survivor = 1 - victim
         assert [comparable(o) for o in llm.generate(prompts, params, use_tqdm=False)] == \
             [comparable(o) for o in expected]
-        kill_on_first_output(monkeypatch, llm.replicas[survivor])
+        kill_once_output_arrives(monkeypatch, llm.replicas[survivor], 0)
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=f"replica {survivor} died .*no replica is left"):
             llm.generate(prompts, params)

@@ -140,16 +140,19 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
 
-        # out^T leaves in [BLOCK_N, BLOCK_M / 4] pieces: pointers for the whole tile would take every register
+        # out^T leaves in [BLOCK_N, BLOCK_M / 4] pieces: pointers for the whole tile would take every
+        # register. With K split, the splits add into float32 sums in a zeroed workspace; the last to
+        # arrive writes the output and leaves sums and count at zero (as int4_gemm)
         halves = _halves(sums_low + sums_high)
-        if SPLIT:
-            # the splits add into float32 sums in a zeroed workspace; the last to arrive writes the
-            # output and leaves sums and count at zero (as int4_gemm)
-            for h in gl.static_range(2):
-                quarters = _halves(halves[h])
-                for q in gl.static_range(2):
-                    offsets, mask = _piece_offsets(quarters[q], off_m + (2 * h + q) * (BLOCK_M // 4), off_n, M, N)
+        for h in gl.static_range(2):
+            quarters = _halves(halves[h])
+            for q in gl.static_range(2):
+                offsets, mask = _piece_offsets(quarters[q], off_m + (2 * h + q) * (BLOCK_M // 4), off_n, M, N)
+                if SPLIT:
                     gl.atomic_add(partial_ptr + offsets, quarters[q], mask=mask, sem="relaxed")
+                else:
+                    gl.store(out_ptr + offsets, quarters[q].to(dtype), mask=mask)
+        if SPLIT:
             _sync_threads()
             arrivals = arrivals_ptr + pid_n * gl.num_programs(0) + pid_m
             if gl.atomic_add(arrivals, 1, sem="acq_rel") == NUM_SPLITS - 1:
@@ -163,12 +166,6 @@ if HAS_GLUON:
                     gl.store(out_ptr + row_offsets, total.to(dtype), mask=row_mask)
                     gl.store(partial_ptr + row_offsets, gl.zeros_like(total), mask=row_mask)
                 gl.store(arrivals, 0)
-        else:
-            for h in gl.static_range(2):
-                quarters = _halves(halves[h])
-                for q in gl.static_range(2):
-                    offsets, mask = _piece_offsets(quarters[q], off_m + (2 * h + q) * (BLOCK_M // 4), off_n, M, N)
-                    gl.store(out_ptr + offsets, quarters[q].to(dtype), mask=mask)
 
 
 def shared_layouts(dtype: torch.dtype) -> tuple:
