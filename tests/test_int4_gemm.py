@@ -1,7 +1,6 @@
 """The 4-bit GEMM of decode batches against int_gemm's torch twin (interpreter on the CPU: float32
 and float16 through float32 dequantization; bfloat16 and float16 through the inline PTX on CUDA):
-row and column tiles with partial edges, K split or not, groups of one step and of several, the
-interleaved x it reads; its PTX, emulated instruction by instruction (tests/test_int4_gemv.py's
+row and column tiles with partial edges, K split or not, groups of one step and of several; its PTX, emulated instruction by instruction (tests/test_int4_gemv.py's
 run_ptx), dequantizes two words into q * s - z rounded once; built for sm_90a (no GPU needed), ptxas keeps
 its matrix-core products in flight; the weight-only layer sends 17 rows up to DEQUANTIZE_FROM_ROWS
 to it on CUDA."""
@@ -18,7 +17,7 @@ import torch
 from nanovllm.kernels import int4_gemm as int4_gemm_module
 from nanovllm.kernels import int4_gemm_hopper
 from nanovllm.kernels.int4_gemm import (CONFIG, FEW_ROWS_CONFIG, SMALL_CONFIG, Int4GemmConfig, dequantize_asm,
-                                        gemm_supported, int4_gemm, interleave_rows, interleave_rows_ref, launch_for)
+                                        gemm_supported, int4_gemm, launch_for)
 from nanovllm.kernels.int_dequantize import DEQUANTIZE_FROM_ROWS
 from nanovllm.kernels.int_gemm import int_gemm_ref
 from tests.test_int4_gemv import (DEVICE, DTYPES, assert_layer_routes, assert_splits_leave_the_workspace_zero, awq_layer,
@@ -82,22 +81,6 @@ def test_launch_choice():
     assert launch_for(129, 4096, 4096) == (CONFIG, 2) and launch_for(256, 24576, 4096) == (CONFIG, 1)
     assert (SMALL_CONFIG.block_n, SMALL_CONFIG.block_m) == (64, 32)
     assert FEW_ROWS_CONFIG.block_n == FEW_ROWS_CONFIG.block_m == 64 and CONFIG.block_n == CONFIG.block_m == 128
-
-
-def test_interleave_moves_column_8r_plus_i_to_16i_plus_r():
-    x = torch.arange(2 * 256, dtype=torch.float32).reshape(2, 256)
-    moved = interleave_rows_ref(x)
-    for base in (0, 128):
-        for r in range(16):
-            for i in range(8):
-                assert torch.equal(moved[:, base + 16 * i + r], x[:, base + 8 * r + i])
-
-
-@pytest.mark.parametrize("m, k", [(1, 128), (11, 384), (9, 1024), (0, 512)])
-def test_interleave_kernel_matches_its_twin(m, k):
-    """Partial row blocks; runs of one step (K not a multiple of 512) and of four."""
-    x = torch.randn(m, k, dtype=torch.float16, device=DEVICE)
-    assert torch.equal(interleave_rows(x), interleave_rows_ref(x))
 
 
 def hopper_ptxas_log(config: Int4GemmConfig, split: bool) -> str:

@@ -24,7 +24,7 @@ def packed_layer(fmt: str, k: int, n: int, group_size: int, bits: int = 4, desc_
             dequantize_awq(t["qweight"], t["qzeros"], t["scales"], group_size)
     t = quantize_gptq(w, bits, group_size, act_order("layer.weight", k) if desc_act else None)
     g_idx = t["g_idx"] if desc_act else None
-    return gptq_for_gemm(t["qweight"], t["qzeros"], t["scales"], bits, True, dtype), g_idx, \
+    return gptq_for_gemm(t["qweight"], t["qzeros"], t["scales"], bits, True, dtype, act_order=desc_act), g_idx, \
         dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits)
 
 
@@ -79,9 +79,23 @@ def test_every_launch_shape_agrees(config):
     torch.testing.assert_close(out, ref, **tolerance(WIDE))
 
 
-@pytest.mark.parametrize("fmt,bits,desc_act", [("awq", 4, False), ("gptq", 4, True), ("gptq", 8, False)])
-def test_twin_multiplies_by_the_dequantized_checkpoint_weight(fmt, bits, desc_act):
-    k, n, group_size = 128, 32, 32
+@pytest.mark.parametrize("config", [DECODE_CONFIG, SWAPPED_CONFIGS[0][1], LaunchConfig(16, 16, 64, 2, 4, 2, True),
+                                    LaunchConfig(16, 32, 32, 1, 4, 2, False)])
+def test_layers_in_step_order_match_twin(config):
+    """4-bit layers in groups of whole steps (the layout's step order), unpacked by reshape or per row,
+    tiles of whole, half and quarter steps."""
+    layer, g_idx, _ = packed_layer("awq", 256, 40, 128, dtype=WIDE)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8)).to(DEVICE, WIDE)
+    out, ref = run_both(x, layer, 4, 128, g_idx, config=config)
+    torch.testing.assert_close(out, ref, **tolerance(WIDE))
+
+
+# group 128 without act order: the layout's step order
+@pytest.mark.parametrize("fmt,bits,desc_act,group_size", [("awq", 4, False, 32), ("gptq", 4, True, 32),
+                                                          ("gptq", 8, False, 32), ("awq", 4, False, 128),
+                                                          ("gptq", 4, False, 128)])
+def test_twin_multiplies_by_the_dequantized_checkpoint_weight(fmt, bits, desc_act, group_size):
+    k, n = 256, 32
     layer, g_idx, weight = packed_layer(fmt, k, n, group_size, bits, desc_act)
     x = torch.randn(4, k, generator=torch.Generator().manual_seed(1))
     ref = int_gemm_ref(x, layer["qweight"], layer["scales"], layer["scaled_zeros"], bits, group_size, g_idx)

@@ -26,7 +26,7 @@ import torch
 from nanovllm.quantization.int_packing import (AWQ_PACK_ORDER, awq_for_gemm, dequantize_awq, dequantize_gptq,
                                                gptq_for_gemm, pack_columns, pack_rows, unpack_columns,
                                                unpack_rows)
-from nanovllm.kernels.int_gemm import dequantize_packed
+from nanovllm.kernels.int_gemm import dequantize_packed, from_step_order, in_step_order, to_step_order
 from nanovllm.checkpoints.quantized_checkpoint import (act_order, quantize_awq, quantize_gptq, write_awq_checkpoint,
                                                  write_dequantized_checkpoint, write_gptq_checkpoint)
 
@@ -107,18 +107,37 @@ def test_gptq_writer_shapes_and_values(bits, group_size, desc_act):
                                                zeros_minus_one=False), deq, rtol=0, atol=0)
 
 
-def test_gemm_layout_matches_the_dequantizers():
-    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(3)) * 0.05
-    a = quantize_awq(w, 32)
+def test_step_order_puts_row_16i_plus_r_in_word_r_bits_4i():
+    """The layout's step order (4 bits, groups of whole steps of 128 rows, no act order)."""
+    q = torch.randint(0, 16, (256, 3), generator=torch.Generator().manual_seed(5), dtype=torch.int32)
+    words = pack_rows(to_step_order(q), 4)
+    for step in (0, 1):
+        for r in range(16):
+            for i in range(8):
+                assert torch.equal((words[16 * step + r] >> (4 * i)) & 0xF, q[128 * step + 16 * i + r])
+    assert torch.equal(from_step_order(to_step_order(q)), q)
+    assert in_step_order(256, 4, 128, False) and in_step_order(256, 4, 256, False)
+    assert not (in_step_order(256, 4, 64, False) or in_step_order(256, 8, 128, False)
+                or in_step_order(256, 4, 128, True) or in_step_order(384, 4, 256, False))
+
+
+@pytest.mark.parametrize("group_size", [32, 128])     # plain order, step order
+def test_gemm_layout_matches_the_dequantizers(group_size):
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)) * 0.05
+    a = quantize_awq(w, group_size)
     packed = awq_for_gemm(a["qweight"], a["qzeros"], a["scales"], torch.float32)
-    torch.testing.assert_close(dequantize_packed(packed["qweight"], packed["scales"], packed["scaled_zeros"], 4, 32),
-                               dequantize_awq(a["qweight"], a["qzeros"], a["scales"], 32).t(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        dequantize_packed(packed["qweight"], packed["scales"], packed["scaled_zeros"], 4, group_size),
+        dequantize_awq(a["qweight"], a["qzeros"], a["scales"], group_size).t(), rtol=0, atol=1e-6)
     for bits in (4, 8):
-        g = quantize_gptq(w, bits, 32, act_order("x.weight", 128))
-        packed = gptq_for_gemm(g["qweight"], g["qzeros"], g["scales"], bits, True, torch.float32)
-        torch.testing.assert_close(
-            dequantize_packed(packed["qweight"], packed["scales"], packed["scaled_zeros"], bits, 32, g["g_idx"]),
-            dequantize_gptq(g["qweight"], g["qzeros"], g["scales"], g["g_idx"], bits).t(), rtol=0, atol=1e-6)
+        for order in (None, act_order("x.weight", 256)):
+            g = quantize_gptq(w, bits, group_size, order)
+            packed = gptq_for_gemm(g["qweight"], g["qzeros"], g["scales"], bits, True, torch.float32,
+                                   act_order=order is not None)
+            g_idx = g["g_idx"] if order is not None else None
+            torch.testing.assert_close(
+                dequantize_packed(packed["qweight"], packed["scales"], packed["scaled_zeros"], bits, group_size, g_idx),
+                dequantize_gptq(g["qweight"], g["qzeros"], g["scales"], g["g_idx"], bits).t(), rtol=0, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -4,15 +4,16 @@ loading): y = x @ W, W[k, n] = q[k, n] * scales[g, n] - scaled_zeros[g, n], g = 
 From about a hundred rows the matrix cores are the pace, so the weight must reach them as 16-bit
 floats for about one instruction a weight. The product runs swapped, out^T = W^T x^T: a tile of
 the weight is dequantized in registers and is the register operand of the matrix cores, the rows
-of x come through shared memory. Two packed words a, b of one column (input rows 8r + i and
-8(r + 1) + i in bits [4i, 4i + 4)) give 16 weights in about 32 instructions (`dequantize_asm`):
-int4_gemv's unpacking to 16-bit floats OFFSET + q (a prmt per half word, a shift and a lop3 per
-row), then per pair of weights one packed subtract of OFFSET (exact) and one packed fused
-multiply-add, q * s - z, rounded once as the twin rounds it. A register so holds rows 8r + i and
-8(r + 1) + i of one column. A step of 128 input rows is two products: rows i = 0-3 of the words,
-then i = 4-7, each joined into a [64, BLOCK_N] tile whose row 16i + r is input row 8r + i (joins
-and reshapes that only rename registers), x interleaved to match (`interleave_rows`, one small
-kernel: x[:, 8r + i] moved to column 16i + r of each 128) and its tiles loaded ahead by the
+of x come through shared memory. Two packed words a, b of one column (words r and r + 1 of a step
+in int_gemm's step order: input rows 16i + r and 16i + r + 1 in bits [4i, 4i + 4)) give 16 weights
+in about 32 instructions (`dequantize_asm`): int4_gemv's unpacking to 16-bit floats OFFSET + q (a
+prmt per half word, a shift and a lop3 per row), then per pair of weights one packed subtract of
+OFFSET (exact) and one packed fused multiply-add, q * s - z, rounded once as the twin rounds it. A
+register so holds rows 16i + r and 16i + r + 1 of one column, neighbours as the matrix cores want
+them. A step of 128 input rows is two products: rows i = 0-3 of the words, then i = 4-7, each
+joined into a [64, BLOCK_N] tile whose row 16i + r is word r's row i (joins and reshapes that only
+rename registers), which is the step's input row 16i + r: x is read as it is (in plain order it
+was copied into this order before every product, a kernel per product), its tiles loaded ahead by the
 software pipeline with the packed words. Each half adds into its own float32 sums: with one
 accumulator Triton waits for the first product before the second half is dequantized; with two
 it keeps the products in flight, so each half's dequantization runs while the matrix cores work
@@ -28,10 +29,9 @@ from typing import NamedTuple
 import torch
 
 from nanovllm.kernels.int4_gemv import MAGIC
-from nanovllm.kernels.triton_compat import pdl_launch, start_next_kernel, tl, triton, wait_for_previous_kernel
+from nanovllm.kernels.int_gemm import STEP, in_step_order
+from nanovllm.kernels.triton_compat import tl, triton
 from nanovllm.kernels.zeroed_workspace import zeroed_workspace
-
-STEP = 128          # input rows per loop step: 16 packed words of each column
 
 
 class Int4GemmConfig(NamedTuple):
@@ -165,39 +165,9 @@ def _int4_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
         tl.store(out_ptr + offsets, tl.trans(acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def interleave_rows_ref(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] -> the copy int4_gemm reads: in each run of 128 columns, column 8r + i moved to 16i + r."""
-    m, k = x.shape
-    return x.reshape(m, k // STEP, STEP // 8, 8).transpose(2, 3).reshape(m, k)
-
-
-@triton.jit
-def _interleave_kernel(x_ptr, out_ptr, M, K, BLOCK_M: tl.constexpr, STEPS: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
-    start_next_kernel(PDL)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * (STEPS * 128) + tl.arange(0, STEPS * 128)
-    offsets = rows[:, None] * K + cols[None, :]
-    mask = (rows < M)[:, None]
-    x = tl.reshape(tl.load(x_ptr + offsets, mask=mask), (BLOCK_M, STEPS, 16, 8))
-    tl.store(out_ptr + offsets, tl.reshape(tl.permute(x, (0, 1, 3, 2)), (BLOCK_M, STEPS * 128)), mask=mask)
-
-
-def interleave_rows(x: torch.Tensor) -> torch.Tensor:
-    """interleave_rows_ref in one kernel, 8 rows by 512 columns a program: on an H200, 240 rows of
-    4,096 (12,288) columns in 1.6 (2.5) us, where torch's strided copy took 3.6 (7.4)."""
-    m, k = x.shape
-    out = torch.empty_like(x)
-    steps = 4 if k % (4 * STEP) == 0 else 1
-    if m:
-        _interleave_kernel[(triton.cdiv(m, 8), k // (steps * STEP))](x, out, m, k, BLOCK_M=8, STEPS=steps,
-                                                                      **pdl_launch(x))
-    return out
-
-
 def gemm_supported(k: int, group_size: int, g_idx: torch.Tensor | None, bits: int) -> bool:
-    """Whether int4_gemm takes this layer: 4 bits, groups that are runs of at least 128 rows dividing K."""
-    return bits == 4 and g_idx is None and group_size % STEP == 0 and k % group_size == 0
+    """Whether int4_gemm takes this layer: packed in step order (int_gemm.in_step_order)."""
+    return in_step_order(k, bits, group_size, g_idx is not None)
 
 
 def launch_for(m: int, n: int, k: int) -> tuple[Int4GemmConfig, int]:
@@ -248,7 +218,7 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
     use_ptx = x.is_cuda and x.dtype in MAGIC
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
     partial, arrivals = split_workspace(out, grid)
-    _int4_gemm_kernel[grid](interleave_rows(x), qweight, scales, scaled_zeros, out, partial, arrivals, m, n, k,
+    _int4_gemm_kernel[grid](x, qweight, scales, scaled_zeros, out, partial, arrivals, m, n, k,
                             k_per_split, split_k, GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_M=block_m,
                             SPLIT=split_k > 1, ASM_LOW=dequantize_asm(x.dtype, 0) if use_ptx else "",
                             ASM_HIGH=dequantize_asm(x.dtype, 4) if use_ptx else "", USE_PTX=use_ptx,

@@ -2,8 +2,8 @@
 the program itself places the loads, the products and the waits that tl.dot's pipelining places.
 
 The same arithmetic as int4_gemm.py (two packed words of a column dequantized to 16 weights by its
-`dequantize_asm`, the weight tile the matrix cores' register operand, out^T = W^T x^T on x interleaved
-by its `interleave_rows`), scheduled differently: x and the packed words of each 128-row step come by
+`dequantize_asm`, the weight tile the matrix cores' register operand, out^T = W^T x^T, x read as it
+is thanks to int_gemm's step order), scheduled differently: x and the packed words of each 128-row step come by
 TMA into a ring of STAGES buffers, each signalled by an mbarrier; a step's two products (rows 0-3 of
 the words, then 4-7) each add into their own float32 sums and the program waits after each product
 until one is left in flight, so one half is dequantized while the other multiplies. (With one set of
@@ -16,8 +16,7 @@ twin.) 128 x 128 tiles of two warp groups, K split as int4_gemm's `launch_for` s
 """
 import torch
 
-from nanovllm.kernels.int4_gemm import (STEP, dequantize_asm, gemm_supported, interleave_rows, k_splits, launch_for,
-                                        split_workspace)
+from nanovllm.kernels.int4_gemm import STEP, dequantize_asm, gemm_supported, k_splits, launch_for, split_workspace
 from nanovllm.kernels.triton_compat import cuda_major_capability, triton
 
 try:
@@ -37,9 +36,10 @@ BLOCK_N, BLOCK_M, STAGES, NUM_WARPS = 128, 128, 4, 8
 
 
 def takes(x: torch.Tensor) -> bool:
-    """Whether int4_gemm_hopper multiplies these rows: 16-bit, on a Hopper GPU, HOPPER_FROM_ROWS or more."""
+    """Whether int4_gemm_hopper multiplies these rows: 16-bit, on a Hopper GPU, HOPPER_FROM_ROWS or
+    more, at an address TMA can read (16-byte aligned)."""
     return HAS_GLUON and x.shape[0] >= HOPPER_FROM_ROWS and x.dtype in (torch.bfloat16, torch.float16) \
-        and cuda_major_capability(x) == 9
+        and cuda_major_capability(x) == 9 and x.data_ptr() % 16 == 0
 
 
 if HAS_GLUON:
@@ -191,8 +191,7 @@ def int4_gemm_hopper(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), split_k)
     partial, arrivals = split_workspace(out, grid)
     x_layout, words_layout = shared_layouts(x.dtype)
-    xi = interleave_rows(x)
-    x_desc = TensorDescriptor(xi, list(xi.shape), list(xi.stride()), [BLOCK_M, 64], x_layout)
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [BLOCK_M, 64], x_layout)
     w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, BLOCK_N], words_layout)
     _int4_gemm_hopper_kernel[grid](x_desc, w_desc, scales, scaled_zeros, out, partial, arrivals, m, n, k,
                                    k_per_split, split_k, GROUP_SIZE=group_size, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,

@@ -6,13 +6,14 @@ weight. Each program streams BLOCK_N packed columns (16-byte loads along the out
 a run of input rows; K is split over programs when the columns alone leave too few programs to fill
 the GPU: their float32 partial sums meet by atomic adds in a workspace, and the last program of a
 tile to arrive writes the output (one kernel per product, no zeroing or casting kernels around it).
-Two packed words a, b (input rows 8r + i in bits [4i, 4i + 4)) become 16 weights in 16
+The layout packs a step of 128 input rows at a time (int_gemm's step order: word r holds rows 16i + r
+in bits [4i, 4i + 4)). Two packed words a, b become 16 weights in 16
 instructions: two `prmt` gather their low and their high halves, then per row i a shift and one
 `lop3`, (t >> 4i) & 0x000F000F | MAGIC, make the pair of 16-bit floats OFFSET + q (row i of a, row
 i of b), since MAGIC's halves are the float OFFSET (bfloat16 0x4300 = 128, float16 0x6400 = 1024)
 whose low mantissa bits are then q; the pair is the register the matrix cores take. These integers
-are exact in 16 bits, so with x_i the columns 8r + i of x (one contiguous load, split in
-registers), raw = sum_i x_i @ (OFFSET + q_i) over the step's words, summed in float32; a step lies
+are exact in 16 bits, so with x_i the columns 16i + r of x (one load of 16 contiguous columns per
+i), raw = sum_i x_i @ (OFFSET + q_i) over the step's words, summed in float32; a step lies
 inside one group, so the scale and zero are applied once per step and column:
     sum_k x[k] W[k, n] = s[n] raw[n] - (OFFSET s[n] + z[n]) sum_k x[k],
 the step's sum of x taken by the matrix cores too (x_i @ ones: it lands in the accumulator's layout,
@@ -31,6 +32,7 @@ from typing import NamedTuple
 import torch
 
 from nanovllm.kernels.fp8_gemv import sm_count, split_k_for
+from nanovllm.kernels.int_gemm import in_step_order
 from nanovllm.kernels.silu_epilogue import gated_columns, silu_and_mul_store
 from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
 from nanovllm.kernels.zeroed_workspace import PendingSums, zeroed_workspace
@@ -60,12 +62,14 @@ class Int4GemvConfig(NamedTuple):
                             # larger tiles unpack each weight once for more rows
 
 
-# 2-16 rows: 256 columns x 16 words a step, ~2.5 SASS instructions per weight in the loop (sm_90, Triton 3.9)
-DEFAULT_CONFIG = Int4GemvConfig(256, 128, 4, 3)
+# 2-16 rows: 128 columns x 16 words a step, four stages. In step order (one H100, 2026-12-02,
+# `scripts/int_gemm_bench.py --int4-gemv --sweep --batch 8 16`) the best launch of every projection
+# or within 2% (gate_up, down, o at 8 rows 32.4, 18.1, 9.8 us against 35.4, 22.3, 11.2 for 256 x 3 stages)
+DEFAULT_CONFIG = Int4GemvConfig(128, 128, 4, 4)
 # One row, from sweeps of the Qwen3-8B projections on one H100 (docs/benchmarks.md): single-warp
-# programs in sub-steps of 2 words (~3.5 instructions per weight), of 64 columns (qkv, o and down:
-# 9.6, 8.3 and 14.9 us against 9.8, 9.0 and 16.4 for four-warp programs of 256) or, for wide layers
-# (columns >= 4x rows: gate_up), 128.
+# programs in sub-steps of 2 words (~3.5 instructions per weight), of 64 columns (qkv and o: 9.6
+# and 8.3 us against 9.8 and 9.0 for four-warp programs of 256) or, for long layers (columns >= 4x
+# rows: gate_up; rows >= 2x columns: down, in step order 13.9 us against 14.8 at 64 columns), 128.
 ONE_ROW_CONFIG = Int4GemvConfig(64, 128, 1, 1, sub_words=2)
 WIDE_ONE_ROW_CONFIG = Int4GemvConfig(128, 128, 1, 1, sub_words=2)
 # One row splits K until about this many warps per SM stream the weight (the best split of each
@@ -79,10 +83,9 @@ ONE_ROW_MIN_WEIGHTS = 14 << 20
 
 def gemv_supported(k: int, group_size: int, g_idx: torch.Tensor | None, bits: int,
                    config: Int4GemvConfig | None = None) -> bool:
-    """Whether int4_gemv takes this layer: 4 bits, groups that are runs of rows, whole steps per group."""
+    """Whether int4_gemv takes this layer: packed in step order (int_gemm.in_step_order), whole loop steps per group."""
     block_k = (config or DEFAULT_CONFIG).block_k
-    return bits == 4 and g_idx is None and group_size % min(block_k, group_size) == 0 \
-        and min(block_k, group_size) >= 128 and k % group_size == 0
+    return in_step_order(k, bits, group_size, g_idx is not None) and group_size % min(block_k, group_size) == 0
 
 
 def unpack_asm(magic_bits: int) -> str:
@@ -210,7 +213,7 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
                                 other=0)
                 w = _unpack_rows_f32(words, F32_ASM, USE_PTX)
                 for i in tl.static_range(8):
-                    x_i = tl.load(x_row + kw * 8 + i).to(tl.float32)
+                    x_i = tl.load(x_row + (kw // 16) * 128 + 16 * i + kw % 16).to(tl.float32)
                     raw += x_i[:, None] * w[i]
                     x_sum += x_i
             group = k0 // GROUP_SIZE
@@ -221,7 +224,6 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
     else:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < M
-        x_tile = x_ptr + rows[:, None] * stride_x + tl.arange(0, BLOCK_K)[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         ones = tl.full((WORDS, BLOCK_N), 1.0, dtype)
         for k0 in range(k_start, k_end, BLOCK_K):
@@ -230,14 +232,9 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
             raw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             x_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)   # the step's sum of x, in every column
             w = _unpack_rows(words, ASM, MAGIC_BITS, OFFSET, USE_PTX, dtype)
-            # one contiguous load of the step's columns of x, split in registers into x_i = x[:, 8r + i]
-            x = tl.load(x_tile + k0, mask=row_ok[:, None], other=0.0)
-            by_bit0 = tl.split(tl.reshape(x, (BLOCK_M, WORDS, 2, 2, 2)))    # the last axis is bit 0 of i
-            by_bit1 = (tl.split(by_bit0[0]), tl.split(by_bit0[1]))
-            xs = ((tl.split(by_bit1[0][0]), tl.split(by_bit1[0][1])),
-                  (tl.split(by_bit1[1][0]), tl.split(by_bit1[1][1])))
+            x_row0 = x_ptr + rows[:, None] * stride_x + ((kw // 16) * 128 + kw % 16)[None, :]   # row 0 of each word
             for i in tl.static_range(8):
-                x_i = xs[i & 1][(i >> 1) & 1][i >> 2]
+                x_i = tl.load(x_row0 + 16 * i, mask=row_ok[:, None], other=0.0)
                 raw = tl.dot(x_i, w[i], raw, input_precision=INPUT_PRECISION)
                 # summed by the matrix cores too: already in the accumulator's layout, no cross-lane reduction
                 x_sum = tl.dot(x_i, ones, x_sum, input_precision=INPUT_PRECISION)
@@ -290,7 +287,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
     n = qweight.shape[1]
     one_row = m == 1 and k * n >= ONE_ROW_MIN_WEIGHTS
     if config is None:
-        config = (WIDE_ONE_ROW_CONFIG if n >= 4 * k else ONE_ROW_CONFIG) if one_row else DEFAULT_CONFIG
+        config = (WIDE_ONE_ROW_CONFIG if n >= 4 * k or k >= 2 * n else ONE_ROW_CONFIG) if one_row else DEFAULT_CONFIG
     block_n, block_k, num_warps, num_stages, sub_words, tile_rows = config
     if not gemv_supported(k, group_size, None, 4, config):
         raise ValueError(f"int4_gemv: group_size {group_size} must be at least 128, divide K = {k} and, when "

@@ -6,12 +6,13 @@ it, paid once per call whatever the rows.
 
 The kernel computes what the twin computes (int_gemm.dequantize_packed: q * s - z in float32,
 rounded once to the activation dtype), for int_gemm's layout: 4 or 8 bits, groups as runs of rows
-or through g_idx (act order). The scratch buffer is one per (device, dtype), sized by the largest
+or through g_idx (act order), rows in plain or step order. The scratch buffer is one per (device, dtype), sized by the largest
 layer it has served; it settles during the first prefill (the memory profile's), before the KV cache
 is sized and before CUDA graphs are captured.
 """
 import torch
 
+from nanovllm.kernels.int_gemm import in_step_order
 from nanovllm.kernels.triton_compat import tl, triton
 
 # From this many rows the weight-only linear multiplies the dequantized weight: the 8B projections of 36
@@ -26,14 +27,18 @@ _scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 @triton.jit
 def _dequantize_kernel(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr, K, N,
                        BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+                       STEP_ORDER: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     PER_WORD: tl.constexpr = 32 // BITS
     ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (ks < K)[:, None] & (cols < N)[None, :]
+    if STEP_ORDER:      # row 16i + r of a step of 128: word r of its 16, bits [4i, 4i + 4)
+        word, slot = (ks // 128) * 16 + ks % 16, (ks % 128) // 16
+    else:
+        word, slot = ks // PER_WORD, ks % PER_WORD
     # each word loaded once per row it holds: the repeated addresses are one memory transaction
-    words = tl.load(qweight_ptr + (ks // PER_WORD)[:, None] * N + cols[None, :], mask=mask, other=0)
-    q = (words >> ((ks % PER_WORD) * BITS)[:, None]) & ((1 << BITS) - 1)
+    words = tl.load(qweight_ptr + word[:, None] * N + cols[None, :], mask=mask, other=0)
+    q = (words >> (slot * BITS)[:, None]) & ((1 << BITS) - 1)
     if HAS_G_IDX:
         groups = tl.load(g_idx_ptr + ks, mask=ks < K, other=0)
     else:
@@ -61,7 +66,8 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.
     out = _scratch[key][:k * n].view(k, n)
     grid = (triton.cdiv(k, 64), triton.cdiv(n, 128))
     _dequantize_kernel[grid](qweight, scales, scaled_zeros, g_idx if g_idx is not None else qweight, out, k, n,
-                             BITS=bits, GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None, BLOCK_K=64, BLOCK_N=128)
+                             BITS=bits, GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None,
+                             STEP_ORDER=in_step_order(k, bits, group_size, g_idx is not None), BLOCK_K=64, BLOCK_N=128)
     return out
 
 

@@ -2,7 +2,12 @@
 
 One layout serves AWQ and GPTQ (both are repacked into it once, after loading):
 - qweight int32 [in / (32 / bits), out]: consecutive input rows packed per word in plain order
-  (row 8r + i in bits [4i, 4i + 4) for 4 bits), so a tile of rows is one load per column;
+  (row 8r + i in bits [4i, 4i + 4) for 4 bits), so a tile of rows is one load per column; except
+  in the 4-bit layers that int4_gemv and int4_gemm take (`in_step_order`), packed a step of 128
+  rows at a time with a stride of 16: word r of a step holds its rows 16i + r (i = 0..7, in bits
+  [4i, 4i + 4)). Those kernels turn a word's rows into the matrix cores' operand registers, whose
+  columns then run in x's own order: x is read as it is, where plain order had it copied
+  into that order before every product;
 - scales [groups, out] and scaled_zeros [groups, out] in the activation dtype, with
   W[k, n] = q[k, n] * scales[g, n] - scaled_zeros[g, n] (zeros pre-multiplied: one FMA per weight);
 - the group g of input row k: k // group_size, or g_idx[k] for GPTQ act-order checkpoints, whose
@@ -20,6 +25,24 @@ import torch
 
 from nanovllm.kernels.triton_compat import tl, triton
 
+STEP = 128      # input rows of one step of the 4-bit kernels: 16 packed words of each column
+
+
+def in_step_order(k: int, bits: int, group_size: int, act_order: bool) -> bool:
+    """Whether a layer of k input rows is packed a step at a time (the module docstring): 4 bits,
+    no act order (a g_idx), groups of whole steps dividing K."""
+    return bits == 4 and not act_order and group_size % STEP == 0 and k % group_size == 0
+
+
+def to_step_order(rows: torch.Tensor) -> torch.Tensor:
+    """[K, ...] in plain order -> in packing order: each step's row 16i + r moved to 8r + i."""
+    return rows.reshape(rows.shape[0] // STEP, 8, 16, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+def from_step_order(rows: torch.Tensor) -> torch.Tensor:
+    """The inverse of to_step_order."""
+    return rows.reshape(rows.shape[0] // STEP, 16, 8, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
 
 def dequantize_packed(qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor, bits: int,
                       group_size: int, g_idx: torch.Tensor | None = None) -> torch.Tensor:
@@ -27,6 +50,8 @@ def dequantize_packed(qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros:
     per_word = 32 // bits
     shifts = (torch.arange(per_word, device=qweight.device) * bits).reshape(1, -1, 1)
     q = ((qweight.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1, qweight.shape[1])
+    if in_step_order(q.shape[0], bits, group_size, g_idx is not None):
+        q = from_step_order(q)
     rows = torch.arange(q.shape[0], device=q.device)
     groups = g_idx.long() if g_idx is not None else rows // group_size
     return q.float() * scales.float()[groups] - scaled_zeros.float()[groups]
@@ -44,7 +69,8 @@ def _int_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_p
                      BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
-                     UNPACK_BY_RESHAPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, SWAPPED: tl.constexpr = False):
+                     UNPACK_BY_RESHAPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, SWAPPED: tl.constexpr = False,
+                     STEP_ORDER: tl.constexpr = False):
     PER_WORD: tl.constexpr = 32 // BITS
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -58,7 +84,10 @@ def _int_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_p
     for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        x_cols = ks
+        if UNPACK_BY_RESHAPE and STEP_ORDER:   # the unpacked tile's row 8r + i of a step is input row 16i + r
+            x_cols = (ks // 128) * 128 + 16 * (ks % 8) + (ks % 128) // 8
+        x = tl.load(x_ptr + rows[:, None] * K + x_cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if UNPACK_BY_RESHAPE:
             # one load per word, its PER_WORD rows spread out in registers
             kw = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
@@ -67,10 +96,14 @@ def _int_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_p
             shifts = tl.arange(0, PER_WORD) * BITS
             q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), (BLOCK_K, BLOCK_N))
         else:
+            if STEP_ORDER:      # row 16i + r of a step: word r of its 16, slot i
+                word, slot = (ks // 128) * 16 + ks % 16, (ks % 128) // 16
+            else:
+                word, slot = ks // PER_WORD, ks % PER_WORD
             # each word loaded once per row it serves: the repeated addresses are one memory transaction
-            words = tl.load(qweight_ptr + (ks // PER_WORD)[:, None] * N + cols[None, :],
+            words = tl.load(qweight_ptr + word[:, None] * N + cols[None, :],
                             mask=k_ok[:, None] & col_ok[None, :], other=0)
-            q = (words >> ((ks % PER_WORD) * BITS)[:, None]) & ((1 << BITS) - 1)
+            q = (words >> (slot * BITS)[:, None]) & ((1 << BITS) - 1)
         if ONE_GROUP_PER_TILE:
             group = k0 // GROUP_SIZE
             s = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -157,6 +190,7 @@ def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scale
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                            K_PER_SPLIT=k_per_split, ONE_GROUP_PER_TILE=one_group,
                            UNPACK_BY_RESHAPE=by_reshape, SWAPPED=swapped,
+                           STEP_ORDER=in_step_order(k, bits, group_size, g_idx is not None),
                            INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
                            num_warps=num_warps, num_stages=num_stages)
     return out.to(x.dtype) if split_k > 1 else out

@@ -96,11 +96,10 @@ class GPTQLinearMethod(WeightOnlyIntMethod):
 
     def gemm_layout(self, layer):
         c = self.config
-        packed = gptq_for_gemm(layer.qweight.data, layer.qzeros.data, layer.scales.data, self.bits,
-                               c.zeros_minus_one, layer.params_dtype)
         rows, groups = layer.g_idx.numel(), layer.scales.shape[0]
         g_idx = layer.g_idx.data.long() - layer.first_group
         run = max(1, rows // groups)
-        if torch.equal(g_idx, torch.arange(rows, device=g_idx.device) // run):   # groups are runs of rows
-            return packed, run, None
-        return packed, c.group_size, g_idx
+        runs = torch.equal(g_idx, torch.arange(rows, device=g_idx.device) // run)   # groups are runs of rows
+        packed = gptq_for_gemm(layer.qweight.data, layer.qzeros.data, layer.scales.data, self.bits,
+                               c.zeros_minus_one, layer.params_dtype, act_order=not runs)
+        return (packed, run, None) if runs else (packed, c.group_size, g_idx)

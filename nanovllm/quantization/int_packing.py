@@ -14,6 +14,8 @@ zero z per (group of input rows, output column), packed 32 // bits to an int32 w
 """
 import torch
 
+from nanovllm.kernels.int_gemm import in_step_order, to_step_order
+
 # AutoAWQ awq/modules/linear/gemm.py (from_linear: order_map) and vLLM quant_utils (AWQ_PACK_ORDER)
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -86,20 +88,25 @@ def _inverse(order: tuple[int, ...]) -> list[int]:
 
 
 
-def gemm_layout(qweight_rows: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+def gemm_layout(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, bits: int, act_order: bool,
                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The layout of kernels/int_gemm.py from a qweight packed along the input rows (GPTQ's own
-    packing) and unpacked zeros [groups, out]: scales and zeros * scales in dtype."""
+    """The layout of kernels/int_gemm.py from unpacked q [in, out] and zeros [groups, out] (groups
+    of runs of rows unless act_order): rows packed in plain or step order, scales and zeros * scales in dtype."""
+    group_size = q.shape[0] // scales.shape[0]
+    if in_step_order(q.shape[0], bits, group_size, act_order):
+        q = to_step_order(q)
     s = scales.float()
-    return {"qweight": qweight_rows.contiguous(), "scales": s.to(dtype), "scaled_zeros": (zeros.float() * s).to(dtype)}
+    return {"qweight": pack_rows(q, bits), "scales": s.to(dtype), "scaled_zeros": (zeros.float() * s).to(dtype)}
 
 
 def awq_for_gemm(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    rows = pack_rows(unpack_columns(qweight, 4, AWQ_PACK_ORDER), 4)
-    return gemm_layout(rows, unpack_columns(qzeros, 4, AWQ_PACK_ORDER), scales, dtype)
+    return gemm_layout(unpack_columns(qweight, 4, AWQ_PACK_ORDER), unpack_columns(qzeros, 4, AWQ_PACK_ORDER),
+                       scales, 4, False, dtype)
 
 
 def gptq_for_gemm(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, bits: int,
-                  zeros_minus_one: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return gemm_layout(qweight, unpack_columns(qzeros, bits) + int(zeros_minus_one), scales, dtype)
+                  zeros_minus_one: bool, dtype: torch.dtype, act_order: bool = False) -> dict[str, torch.Tensor]:
+    """act_order: the layer keeps its g_idx (groups that are not runs of rows)."""
+    return gemm_layout(unpack_rows(qweight, bits), unpack_columns(qzeros, bits) + int(zeros_minus_one), scales,
+                       bits, act_order, dtype)
