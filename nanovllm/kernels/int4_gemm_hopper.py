@@ -16,7 +16,8 @@ twin.) 128 x 128 tiles of two warp groups, K split as int4_gemm's `launch_for` s
 """
 import torch
 
-from nanovllm.kernels.int4_gemm import STEP, dequantize_asm, gemm_supported, k_splits, launch_for, split_workspace
+from nanovllm.kernels.int4_gemm import dequantize_asm, gemm_supported, k_splits, launch_for, split_workspace
+from nanovllm.kernels.int_gemm import STEP
 from nanovllm.kernels.triton_compat import cuda_major_capability, triton
 
 try:

@@ -6,13 +6,13 @@ it, paid once per call whatever the rows.
 
 The kernel computes what the twin computes (int_gemm.dequantize_packed: q * s - z in float32,
 rounded once to the activation dtype), for int_gemm's layout: 4 or 8 bits, groups as runs of rows
-or through g_idx (act order), rows in plain or step order. The scratch buffer is one per (device, dtype), sized by the largest
-layer it has served; it settles during the first prefill (the memory profile's), before the KV cache
-is sized and before CUDA graphs are captured.
+or through g_idx (act order), rows in plain or step order. The scratch buffer is one per (device,
+dtype), sized by the largest layer it has served; it settles during the first prefill (the memory
+profile's), before the KV cache is sized and before CUDA graphs are captured.
 """
 import torch
 
-from nanovllm.kernels.int_gemm import in_step_order
+from nanovllm.kernels.int_gemm import in_step_order, packed_position
 from nanovllm.kernels.triton_compat import tl, triton
 
 # From this many rows the weight-only linear multiplies the dequantized weight: the 8B projections of 36
@@ -28,14 +28,10 @@ _scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 def _dequantize_kernel(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr, K, N,
                        BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr,
                        STEP_ORDER: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    PER_WORD: tl.constexpr = 32 // BITS
     ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (ks < K)[:, None] & (cols < N)[None, :]
-    if STEP_ORDER:      # row 16i + r of a step of 128: word r of its 16, bits [4i, 4i + 4)
-        word, slot = (ks // 128) * 16 + ks % 16, (ks % 128) // 16
-    else:
-        word, slot = ks // PER_WORD, ks % PER_WORD
+    word, slot = packed_position(ks, BITS, STEP_ORDER)
     # each word loaded once per row it holds: the repeated addresses are one memory transaction
     words = tl.load(qweight_ptr + word[:, None] * N + cols[None, :], mask=mask, other=0)
     q = (words >> (slot * BITS)[:, None]) & ((1 << BITS) - 1)

@@ -6,8 +6,8 @@ One layout serves AWQ and GPTQ (both are repacked into it once, after loading):
   in the 4-bit layers that int4_gemv and int4_gemm take (`in_step_order`), packed a step of 128
   rows at a time with a stride of 16: word r of a step holds its rows 16i + r (i = 0..7, in bits
   [4i, 4i + 4)). Those kernels turn a word's rows into the matrix cores' operand registers, whose
-  columns then run in x's own order: x is read as it is, where plain order had it copied
-  into that order before every product;
+  columns then run in x's own order, so x is read as it is (plain order needed a copy of x in the
+  words' order before each product);
 - scales [groups, out] and scaled_zeros [groups, out] in the activation dtype, with
   W[k, n] = q[k, n] * scales[g, n] - scaled_zeros[g, n] (zeros pre-multiplied: one FMA per weight);
 - the group g of input row k: k // group_size, or g_idx[k] for GPTQ act-order checkpoints, whose
@@ -42,6 +42,16 @@ def to_step_order(rows: torch.Tensor) -> torch.Tensor:
 def from_step_order(rows: torch.Tensor) -> torch.Tensor:
     """The inverse of to_step_order."""
     return rows.reshape(rows.shape[0] // STEP, 16, 8, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+@triton.jit
+def packed_position(ks, BITS: tl.constexpr, STEP_ORDER: tl.constexpr):
+    """The word and the slot (bits [BITS * slot, BITS * (slot + 1))) that hold input rows ks."""
+    if STEP_ORDER:      # row 16i + r of a step: word r of its 16, slot i
+        word, slot = (ks // 128) * 16 + ks % 16, (ks % 128) // 16
+    else:
+        word, slot = ks // (32 // BITS), ks % (32 // BITS)
+    return word, slot
 
 
 def dequantize_packed(qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor, bits: int,
@@ -96,10 +106,7 @@ def _int_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_p
             shifts = tl.arange(0, PER_WORD) * BITS
             q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), (BLOCK_K, BLOCK_N))
         else:
-            if STEP_ORDER:      # row 16i + r of a step: word r of its 16, slot i
-                word, slot = (ks // 128) * 16 + ks % 16, (ks % 128) // 16
-            else:
-                word, slot = ks // PER_WORD, ks % PER_WORD
+            word, slot = packed_position(ks, BITS, STEP_ORDER)
             # each word loaded once per row it serves: the repeated addresses are one memory transaction
             words = tl.load(qweight_ptr + word[:, None] * N + cols[None, :],
                             mask=k_ok[:, None] & col_ok[None, :], other=0)
