@@ -213,7 +213,9 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
                                 other=0)
                 w = _unpack_rows_f32(words, F32_ASM, USE_PTX)
                 for i in tl.static_range(8):
-                    x_i = tl.load(x_row + (kw // 16) * 128 + 16 * i + kw % 16).to(tl.float32)
+                    # word w of the step holds its rows 16i + w (k0 is a multiple of 128)
+                    x_i = tl.load(x_row + k0 + ((j * SUB_WORDS) // 16) * 128 + (j * SUB_WORDS) % 16 + sub
+                                  + 16 * i).to(tl.float32)
                     raw += x_i[:, None] * w[i]
                     x_sum += x_i
             group = k0 // GROUP_SIZE
@@ -226,15 +228,16 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
         row_ok = rows < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         ones = tl.full((WORDS, BLOCK_N), 1.0, dtype)
+        # row 0 of each word of a step: word w holds the step's rows 16i + w (steps start at multiples of 128)
+        x_words = x_ptr + rows[:, None] * stride_x + ((words_in_step // 16) * 128 + words_in_step % 16)[None, :]
         for k0 in range(k_start, k_end, BLOCK_K):
             kw = k0 // 8 + words_in_step
             words = tl.load(qweight_ptr + kw.to(tl.int64)[:, None] * N + cols[None, :], mask=col_ok[None, :], other=0)
             raw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             x_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)   # the step's sum of x, in every column
             w = _unpack_rows(words, ASM, MAGIC_BITS, OFFSET, USE_PTX, dtype)
-            x_row0 = x_ptr + rows[:, None] * stride_x + ((kw // 16) * 128 + kw % 16)[None, :]   # row 0 of each word
             for i in tl.static_range(8):
-                x_i = tl.load(x_row0 + 16 * i, mask=row_ok[:, None], other=0.0)
+                x_i = tl.load(x_words + k0 + 16 * i, mask=row_ok[:, None], other=0.0)
                 raw = tl.dot(x_i, w[i], raw, input_precision=INPUT_PRECISION)
                 # summed by the matrix cores too: already in the accumulator's layout, no cross-lane reduction
                 x_sum = tl.dot(x_i, ones, x_sum, input_precision=INPUT_PRECISION)
