@@ -1,7 +1,7 @@
 """int4_gemm's Gluon kernel for Hopper against int_gemm's torch twin (on a Hopper GPU: Gluon has no
 interpreter): partial row and column tiles, K split or not, groups of several steps, the workspace
 left zero; built for sm_90a without a GPU, ptxas keeps its products in flight and spills nothing;
-the weight-only layer sends 65 rows and more to it on Hopper."""
+the weight-only layer sends 2-16 rows and 65 and more to it on Hopper."""
 
 import os
 import subprocess
@@ -28,10 +28,11 @@ def both(x, layer, group_size, config=None, split_k=None):
 
 @needs_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,split_k", [(65, None), (130, 1), (130, 3), (300, 2)])
+@pytest.mark.parametrize("rows,split_k", [(1, None), (5, 3), (8, 1), (11, None), (16, 2), (65, None), (130, 1),
+                                          (130, 3), (300, 2)])
 def test_matches_twin(dtype, rows, split_k):
-    """200 columns: a partial column tile; 130 and 300 rows: partial row tiles; K = 512 split in 3:
-    uneven runs of steps."""
+    """200 columns: a partial column tile; 1-16 rows: x tiles of 8 and 16 rows, partly filled; 130
+    and 300 rows: partial row tiles; K = 512 split in 3: uneven runs of steps."""
     k, n, group_size = 512, 200, 128
     layer = awq_layer(k, n, group_size, dtype, seed=2)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE, dtype)
@@ -51,12 +52,13 @@ def test_groups_of_several_steps(group_size):
 
 @needs_hopper
 def test_splits_leave_the_workspace_zero():
-    assert_splits_leave_the_workspace_zero(both, (70, 150), None)
+    assert_splits_leave_the_workspace_zero(both, (3, 150), None)
 
 
 @needs_hopper
-@pytest.mark.parametrize("rows,expect_hopper", [(hopper.HOPPER_FROM_ROWS - 1, False), (hopper.HOPPER_FROM_ROWS, True),
-                                                (300, True)])
+@pytest.mark.parametrize("rows,expect_hopper", [(1, False), (2, True), (hopper.FEW_ROWS_MAX, True),
+                                                (hopper.FEW_ROWS_MAX + 1, False), (hopper.HOPPER_FROM_ROWS - 1, False),
+                                                (hopper.HOPPER_FROM_ROWS, True), (300, True)])
 def test_weight_only_layer_routes_to_it_on_hopper(monkeypatch, rows, expect_hopper):
     assert_layer_routes(monkeypatch, "int4_gemm_hopper", rows, expect_hopper)
 
@@ -65,10 +67,12 @@ def test_takes_16_bit_rows_on_hopper_only():
     assert not hopper.takes(torch.zeros(128, 256, dtype=torch.bfloat16))       # on the CPU
     if ON_HOPPER:
         assert hopper.takes(torch.zeros(hopper.HOPPER_FROM_ROWS, 256, dtype=torch.bfloat16, device="cuda"))
+        assert hopper.takes(torch.zeros(2, 256, dtype=torch.bfloat16, device="cuda"))
+        assert not hopper.takes(torch.zeros(1, 256, dtype=torch.bfloat16, device="cuda"))
         assert not hopper.takes(torch.zeros(128, 256, dtype=torch.float32, device="cuda"))
 
 
-def hopper_ptxas_log(split: bool) -> str:
+def hopper_ptxas_log(split: bool, block_m: int = hopper.BLOCK_M) -> str:
     """ptxas's report on the kernel built for sm_90a as int4_gemm_hopper launches it for bfloat16
     (compiled for a target without a GPU; outside the interpreter, so the test runs this in a child)."""
     from triton.backends.compiler import GPUTarget
@@ -76,12 +80,12 @@ def hopper_ptxas_log(split: bool) -> str:
     from triton.experimental import gluon
     kernel = hopper._int4_gemm_hopper_kernel
     index = {name: i for i, name in enumerate(kernel.arg_names)}
-    constants = dict(GROUP_SIZE=128, BLOCK_N=hopper.BLOCK_N, BLOCK_M=hopper.BLOCK_M, STAGES=hopper.STAGES,
+    constants = dict(GROUP_SIZE=128, BLOCK_N=hopper.BLOCK_N, BLOCK_M=block_m, STAGES=hopper.STAGES,
                      SPLIT=split, ASM_LOW=dequantize_asm(torch.bfloat16, 0), ASM_HIGH=dequantize_asm(torch.bfloat16, 4),
                      num_warps=hopper.NUM_WARPS)
-    x_layout, words_layout = hopper.shared_layouts(torch.bfloat16)
+    x_layout, words_layout = hopper.shared_layouts(torch.bfloat16, block_m)
     signature = {name: "i32" for name in kernel.arg_names}
-    signature.update(x_desc=f"tensordesc<bf16[{hopper.BLOCK_M}, 64],{x_layout!r}>",
+    signature.update(x_desc=f"tensordesc<bf16[{block_m}, 64],{x_layout!r}>",
                      w_desc=f"tensordesc<i32[16, {hopper.BLOCK_N}],{words_layout!r}>", scales_ptr="*bf16",
                      zeros_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", arrivals_ptr="*i32",
                      **{name: "constexpr" for name in constants})
@@ -95,9 +99,10 @@ def hopper_ptxas_log(split: bool) -> str:
 @pytest.mark.skipif(not hopper.HAS_GLUON, reason="needs Triton's Gluon")
 def test_hopper_build_keeps_the_products_in_flight():
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    script = "from tests.test_int4_gemm_hopper import hopper_ptxas_log\nprint(hopper_ptxas_log(False), hopper_ptxas_log(True))"
+    script = ("from tests.test_int4_gemm_hopper import hopper_ptxas_log\n"
+              "print(*(hopper_ptxas_log(split, m) for m in (8, 16, 128) for split in (False, True)))")
     log = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
-    assert log.count("Compiling entry function '_int4_gemm_hopper_kernel' for 'sm_90a'") == 2, log
+    assert log.count("Compiling entry function '_int4_gemm_hopper_kernel' for 'sm_90a'") == 6, log
     assert "C751" not in log and "serialized" not in log, log
-    assert log.count("0 bytes spill stores") == 2, log
+    assert log.count("0 bytes spill stores") == 6, log

@@ -11,12 +11,16 @@ sums chained across steps the results came out wrong on an H200, Triton 3.6; wit
 twin.) 128 x 128 tiles of two warp groups, K split as int4_gemm's `launch_for` splits it. On one H200
 (2026-12-02) the 8B projections x36 at 96 / 128 / 160 / 192 / 256 rows took 5.06 / 5.31 / 8.05 / 7.84
 / 8.01 ms against int4_gemm's 5.51 / 5.72 / 8.96 / 8.94 / 8.68; at 64 rows 5.03 against 3.82 (its 64 x
-64 tiles). Gluon runs only compiled, so there is no interpreter path: the twin is int_gemm's
+64 tiles). 2 to 16 rows come here too, in x tiles of 8 or 16 rows (the products 8 or 16 wide, K split
+to about three programs per SM): the 8B projections x36 on one H200 at 8 / 16 rows 2.12 / 2.28 ms
+against int4_gemv's 2.50 / 2.62 (its 4-stage ring keeps more weight bytes in flight than the GEMV's
+loads); at one row 2.10 against the GEMV's 2.02, so one row stays there. Gluon runs only compiled, so there is no interpreter path: the twin is int_gemm's
 `int_gemm_ref`, checked on the GPU, and the build for sm_90a is checked without one.
 """
 import torch
 
 from nanovllm.kernels.int4_gemm import dequantize_asm, gemm_supported, k_splits, launch_for, split_workspace
+from nanovllm.kernels.fp8_gemv import sm_count
 from nanovllm.kernels.int_gemm import STEP
 from nanovllm.kernels.triton_compat import cuda_major_capability, triton
 
@@ -34,12 +38,24 @@ except (ImportError, AttributeError):    # no Triton, or one whose Gluon lacks t
 
 HOPPER_FROM_ROWS = 65       # below, int4_gemm's 64 x 64 and 64 x 32 tiles are faster (docstring)
 BLOCK_N, BLOCK_M, STAGES, NUM_WARPS = 128, 128, 4, 8
+# 2 to this many rows also come here, in x tiles of 8 or 16 rows (the products 8 or 16 wide), where
+# they beat int4_gemv (one row does not: docstring)
+FEW_ROWS_MAX = 16
+# Few rows split K until about this many programs per SM (the best split of each 8B projection
+# at 8 and 16 rows on one H200, or within 4%)
+FEW_ROWS_PROGRAMS_PER_SM = 3
+
+
+def rows_tile(m: int) -> int:
+    """The x tile (rows per program) for m rows."""
+    return 8 if m <= 8 else 16 if m <= FEW_ROWS_MAX else BLOCK_M
 
 
 def takes(x: torch.Tensor) -> bool:
-    """Whether int4_gemm_hopper multiplies these rows: 16-bit, on a Hopper GPU, HOPPER_FROM_ROWS or
-    more, at an address TMA can read (16-byte aligned)."""
-    return HAS_GLUON and x.shape[0] >= HOPPER_FROM_ROWS and x.dtype in (torch.bfloat16, torch.float16) \
+    """Whether int4_gemm_hopper multiplies these rows: 16-bit, on a Hopper GPU, 2 to FEW_ROWS_MAX or
+    HOPPER_FROM_ROWS or more, at an address TMA can read (16-byte aligned)."""
+    m = x.shape[0]
+    return HAS_GLUON and (2 <= m <= FEW_ROWS_MAX or m >= HOPPER_FROM_ROWS) and x.dtype in (torch.bfloat16, torch.float16) \
         and cuda_major_capability(x) == 9 and x.data_ptr() % 16 == 0
 
 
@@ -77,6 +93,15 @@ if HAS_GLUON:
         cols = off_n + gl.arange(0, piece.shape[0], layout=gl.SliceLayout(1, piece.type.layout))
         offsets = gl.expand_dims(rows, 0) * N + gl.expand_dims(cols, 1)
         return offsets, gl.expand_dims(rows < M, 0) & gl.expand_dims(cols < N, 1)
+
+    @gluon.jit
+    def _store_piece(piece, row0, off_n, M, N, out_ptr, partial_ptr, SPLIT: gl.constexpr):
+        """out^T's piece [BLOCK_N, R] from row0: added into the split's float32 sums, or stored."""
+        offsets, mask = _piece_offsets(piece, row0, off_n, M, N)
+        if SPLIT:
+            gl.atomic_add(partial_ptr + offsets, piece, mask=mask, sem="relaxed")
+        else:
+            gl.store(out_ptr + offsets, piece.to(out_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
     def _int4_gemm_hopper_kernel(x_desc, w_desc, scales_ptr, zeros_ptr, out_ptr, partial_ptr, arrivals_ptr,
@@ -141,25 +166,26 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
 
-        # out^T leaves in [BLOCK_N, BLOCK_M / 4] pieces: pointers for the whole tile would take every
-        # register. With K split, the splits add into float32 sums in a zeroed workspace; the last to
+        # out^T leaves in [BLOCK_N, BLOCK_M / 4] pieces from 128 rows: pointers for the whole tile would
+        # take every register. With K split, the splits add into float32 sums in a zeroed workspace; the last to
         # arrive writes the output and leaves sums and count at zero (as int4_gemm)
-        halves = _halves(sums_low + sums_high)
-        for h in gl.static_range(2):
-            quarters = _halves(halves[h])
-            for q in gl.static_range(2):
-                offsets, mask = _piece_offsets(quarters[q], off_m + (2 * h + q) * (BLOCK_M // 4), off_n, M, N)
-                if SPLIT:
-                    gl.atomic_add(partial_ptr + offsets, quarters[q], mask=mask, sem="relaxed")
-                else:
-                    gl.store(out_ptr + offsets, quarters[q].to(dtype), mask=mask)
+        if BLOCK_M <= 32:
+            _store_piece(sums_low + sums_high, off_m, off_n, M, N, out_ptr, partial_ptr, SPLIT)
+        else:
+            halves = _halves(sums_low + sums_high)
+            for h in gl.static_range(2):
+                quarters = _halves(halves[h])
+                for q in gl.static_range(2):
+                    _store_piece(quarters[q], off_m + (2 * h + q) * (BLOCK_M // 4), off_n, M, N, out_ptr,
+                                 partial_ptr, SPLIT)
         if SPLIT:
             _sync_threads()
             arrivals = arrivals_ptr + pid_n * gl.num_programs(0) + pid_m
             if gl.atomic_add(arrivals, 1, sem="acq_rel") == NUM_SPLITS - 1:
                 rows_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
-                for r in gl.static_range(BLOCK_M // 32):
-                    rows = off_m + r * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, rows_layout))
+                FINISH_ROWS: gl.constexpr = min(32, BLOCK_M)
+                for r in gl.static_range(BLOCK_M // FINISH_ROWS):
+                    rows = off_m + r * FINISH_ROWS + gl.arange(0, FINISH_ROWS, layout=gl.SliceLayout(1, rows_layout))
                     out_cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, rows_layout))
                     row_offsets = gl.expand_dims(rows, 1) * N + gl.expand_dims(out_cols, 0)
                     row_mask = gl.expand_dims(rows < M, 1) & gl.expand_dims(out_cols < N, 0)
@@ -169,11 +195,11 @@ if HAS_GLUON:
                 gl.store(arrivals, 0)
 
 
-def shared_layouts(dtype: torch.dtype) -> tuple:
+def shared_layouts(dtype: torch.dtype, block_m: int = BLOCK_M) -> tuple:
     """The TMA buffers' layouts: x's rows of 64 as the matrix cores read them (128-byte swizzle), the
     packed words plain (their rows are 512 bytes, wider than any swizzle)."""
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, 64], gl_dtype),
+    return (gl.NVMMASharedLayout.get_default_for([block_m, 64], gl_dtype),
             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 
 
@@ -185,17 +211,21 @@ def int4_gemm_hopper(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if not gemm_supported(k, group_size, None, 4) or qweight.shape[0] * 8 != k:
         raise ValueError(f"int4_gemm_hopper: needs groups of a multiple of {STEP} rows dividing K = {k} and "
                          f"{k // 8} packed rows; got group_size {group_size}, {qweight.shape[0]} packed rows")
-    k_per_split, split_k = k_splits(k, split_k or launch_for(m, n, k)[1])
+    block_m = rows_tile(m)
+    if split_k is None:
+        split_k = max(1, round(FEW_ROWS_PROGRAMS_PER_SM * sm_count(x.device) / triton.cdiv(n, BLOCK_N))) \
+            if m <= FEW_ROWS_MAX else launch_for(m, n, k)[1]
+    k_per_split, split_k = k_splits(k, split_k)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), split_k)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N), split_k)
     partial, arrivals = split_workspace(out, grid)
-    x_layout, words_layout = shared_layouts(x.dtype)
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [BLOCK_M, 64], x_layout)
+    x_layout, words_layout = shared_layouts(x.dtype, block_m)
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, 64], x_layout)
     w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, BLOCK_N], words_layout)
     _int4_gemm_hopper_kernel[grid](x_desc, w_desc, scales, scaled_zeros, out, partial, arrivals, m, n, k,
-                                   k_per_split, split_k, GROUP_SIZE=group_size, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
+                                   k_per_split, split_k, GROUP_SIZE=group_size, BLOCK_N=BLOCK_N, BLOCK_M=block_m,
                                    STAGES=STAGES, SPLIT=split_k > 1, ASM_LOW=dequantize_asm(x.dtype, 0),
                                    ASM_HIGH=dequantize_asm(x.dtype, 4), num_warps=NUM_WARPS)
     return out
