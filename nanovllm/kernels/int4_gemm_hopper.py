@@ -1,4 +1,4 @@
-"""int4_gemm's product for 65 rows and more on Hopper, written in Gluon: Triton's lower layer, where
+"""int4_gemm's product for 2 rows and more on Hopper, written in Gluon: Triton's lower layer, where
 the program itself places the loads, the products and the waits that tl.dot's pipelining places.
 
 The same arithmetic as int4_gemm.py (two packed words of a column dequantized to 16 weights by its
@@ -8,14 +8,15 @@ TMA into a ring of STAGES buffers, each signalled by an mbarrier; a step's two p
 the words, then 4-7) each add into their own float32 sums and the program waits after each product
 until one is left in flight, so one half is dequantized while the other multiplies. (With one set of
 sums chained across steps the results came out wrong on an H200, Triton 3.6; with two they match the
-twin.) 128 x 128 tiles of two warp groups, K split as int4_gemm's `launch_for` splits it. On one H200
-(2026-12-02) the 8B projections x36 at 96 / 128 / 160 / 192 / 256 rows took 5.06 / 5.31 / 8.05 / 7.84
-/ 8.01 ms against int4_gemm's 5.51 / 5.72 / 8.96 / 8.94 / 8.68; at 64 rows 5.03 against 3.82 (its 64 x
-64 tiles). 2 to 16 rows come here too, in x tiles of 8 or 16 rows (the products 8 or 16 wide, K split
-to about three programs per SM): the 8B projections x36 on one H200 at 8 / 16 rows 2.12 / 2.28 ms
-against int4_gemv's 2.50 / 2.62 (its 4-stage ring keeps more weight bytes in flight than the GEMV's
-loads); at one row 2.10 against the GEMV's 2.02, so one row stays there. Gluon runs only compiled, so there is no interpreter path: the twin is int_gemm's
-`int_gemm_ref`, checked on the GPU, and the build for sm_90a is checked without one.
+twin.) From 65 rows 128 x 128 tiles of two warp groups, K split as int4_gemm's `launch_for` splits
+it: on one H200 (2026-12-02) the 8B projections x36 at 96 / 128 / 160 / 192 / 256 rows took 5.06 /
+5.31 / 8.05 / 7.84 / 8.01 ms against int4_gemm's 5.51 / 5.72 / 8.96 / 8.94 / 8.68. Fewer rows take x tiles of 8, 16, 32 or 64 rows (the products as wide, K split to about
+three programs per SM up to 16 rows, two above): the 8B projections x36 on one H200 at 8 / 16 rows
+2.12 / 2.28 ms against int4_gemv's 2.50 / 2.62 (the 4-stage ring keeps more weight bytes in flight
+than the GEMV's loads), at 32 / 64 rows 2.76 / 3.24 against int4_gemm's 3.00 / 3.55; at one row 2.10
+against the GEMV's 2.02, so one row stays there. Gluon runs only compiled, so there is no interpreter
+path: the twin is int_gemm's `int_gemm_ref`, checked on the GPU, and the build for sm_90a is checked
+without one.
 """
 import torch
 
@@ -36,26 +37,31 @@ try:
 except (ImportError, AttributeError):    # no Triton, or one whose Gluon lacks these
     HAS_GLUON = False
 
-HOPPER_FROM_ROWS = 65       # below, int4_gemm's 64 x 64 and 64 x 32 tiles are faster (docstring)
 BLOCK_N, BLOCK_M, STAGES, NUM_WARPS = 128, 128, 4, 8
-# 2 to this many rows also come here, in x tiles of 8 or 16 rows (the products 8 or 16 wide), where
-# they beat int4_gemv (one row does not: docstring)
-FEW_ROWS_MAX = 16
-# Few rows split K until about this many programs per SM (the best split of each 8B projection
-# at 8 and 16 rows on one H200, or within 4%)
-FEW_ROWS_PROGRAMS_PER_SM = 3
+# Up to 64 rows the x tile is the rows rounded up to 8, 16, 32 or 64 (the products as wide), K split
+# until about this many programs per SM: the best split of each 8B projection on one H200, or within
+# 4% (docstring); from 65 rows 128-row tiles split as int4_gemm's launch_for
+FEW_ROWS_MAX, FEW_ROWS_PROGRAMS_PER_SM = 16, 3
+SMALL_TILE_MAX, SMALL_TILE_PROGRAMS_PER_SM = 64, 2
 
 
 def rows_tile(m: int) -> int:
     """The x tile (rows per program) for m rows."""
-    return 8 if m <= 8 else 16 if m <= FEW_ROWS_MAX else BLOCK_M
+    return next((tile for tile in (8, 16, 32, 64) if m <= tile), BLOCK_M)
+
+
+def split_for(m: int, n: int, k: int, device: torch.device) -> int:
+    """How many K splits for an [m, k] @ [k, n] product."""
+    if m > SMALL_TILE_MAX:
+        return launch_for(m, n, k)[1]
+    per_sm = FEW_ROWS_PROGRAMS_PER_SM if m <= FEW_ROWS_MAX else SMALL_TILE_PROGRAMS_PER_SM
+    return max(1, round(per_sm * sm_count(device) / triton.cdiv(n, BLOCK_N)))
 
 
 def takes(x: torch.Tensor) -> bool:
-    """Whether int4_gemm_hopper multiplies these rows: 16-bit, on a Hopper GPU, 2 to FEW_ROWS_MAX or
-    HOPPER_FROM_ROWS or more, at an address TMA can read (16-byte aligned)."""
-    m = x.shape[0]
-    return HAS_GLUON and (2 <= m <= FEW_ROWS_MAX or m >= HOPPER_FROM_ROWS) and x.dtype in (torch.bfloat16, torch.float16) \
+    """Whether int4_gemm_hopper multiplies these rows: 16-bit, on a Hopper GPU, two or more (one row
+    is int4_gemv's), at an address TMA can read (16-byte aligned)."""
+    return HAS_GLUON and x.shape[0] >= 2 and x.dtype in (torch.bfloat16, torch.float16) \
         and cuda_major_capability(x) == 9 and x.data_ptr() % 16 == 0
 
 
@@ -212,10 +218,7 @@ def int4_gemm_hopper(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         raise ValueError(f"int4_gemm_hopper: needs groups of a multiple of {STEP} rows dividing K = {k} and "
                          f"{k // 8} packed rows; got group_size {group_size}, {qweight.shape[0]} packed rows")
     block_m = rows_tile(m)
-    if split_k is None:
-        split_k = max(1, round(FEW_ROWS_PROGRAMS_PER_SM * sm_count(x.device) / triton.cdiv(n, BLOCK_N))) \
-            if m <= FEW_ROWS_MAX else launch_for(m, n, k)[1]
-    k_per_split, split_k = k_splits(k, split_k)
+    k_per_split, split_k = k_splits(k, split_k or split_for(m, n, k, x.device))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out

@@ -1,8 +1,8 @@
 """What AWQ and GPTQ share: integer weights with a scale and zero per group of input rows, turned
 once after loading into the layout of nanovllm/kernels/int_gemm.py and multiplied there (on the
 GPU, 16-bit activations; 4 bits by nanovllm/kernels/int4_gemv.py up to 16 rows and
-nanovllm/kernels/int4_gemm.py below DEQUANTIZE_FROM_ROWS, on Hopper 2-16 rows and from 65 its Gluon
-twin nanovllm/kernels/int4_gemm_hopper.py; prefills by cuBLAS on the weight dequantized
+nanovllm/kernels/int4_gemm.py below DEQUANTIZE_FROM_ROWS, on Hopper from 2 rows its Gluon twin
+nanovllm/kernels/int4_gemm_hopper.py; prefills by cuBLAS on the weight dequantized
 by nanovllm/kernels/int_dequantize.py) or by its torch twin (on the CPU, and for float32).
 Activations stay unquantized: weight-only quantization.
 """
@@ -56,7 +56,7 @@ class WeightOnlyIntMethod(LinearMethod):
             and gemm_supported(x.shape[1], layer.group_size, layer.g_idx, self.bits)
 
     def takes_hopper_gemm(self, layer: nn.Module, x: torch.Tensor) -> bool:
-        """Whether x [M, K] goes through int4_gemm_hopper: rows it takes (2-16 and 65 up, on Hopper) of a
+        """Whether x [M, K] goes through int4_gemm_hopper: two rows or more, on Hopper, of a
         layer the GEMM takes."""
         return self.takes_gemm(layer, x) and hopper_gemm_takes(x)
 
