@@ -97,8 +97,8 @@ def hopper_ptxas_log(split: bool, block_m: int = hopper.BLOCK_M) -> str:
 def test_hopper_build_keeps_the_products_in_flight():
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     script = ("from tests.test_int4_gemm_hopper import hopper_ptxas_log\n"
-              "print(*(hopper_ptxas_log(split, m) for m, split in ((8, True), (16, True), (32, True), (64, True), (128, False),"
-              " (128, True))))")
+              "print(*(hopper_ptxas_log(split, m) for m, split in ((8, True), (16, True), (32, True), (64, True),"
+              " (128, False), (128, True))))")
     log = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
     assert log.count("Compiling entry function '_int4_gemm_hopper_kernel' for 'sm_90a'") == 6, log

@@ -10,8 +10,9 @@ until one is left in flight, so one half is dequantized while the other multipli
 sums chained across steps the results came out wrong on an H200, Triton 3.6; with two they match the
 twin.) From 65 rows 128 x 128 tiles of two warp groups, K split as int4_gemm's `launch_for` splits
 it: on one H200 (2026-12-02) the 8B projections x36 at 96 / 128 / 160 / 192 / 256 rows took 5.06 /
-5.31 / 8.05 / 7.84 / 8.01 ms against int4_gemm's 5.51 / 5.72 / 8.96 / 8.94 / 8.68. Fewer rows take x tiles of 8, 16, 32 or 64 rows (the products as wide, K split to about
-three programs per SM up to 16 rows, two above): the 8B projections x36 on one H200 at 8 / 16 rows
+5.31 / 8.05 / 7.84 / 8.01 ms against int4_gemm's 5.51 / 5.72 / 8.96 / 8.94 / 8.68. Fewer rows take x
+tiles of 8, 16, 32 or 64 rows (the products as wide, K split to about three programs per SM up to 16
+rows, two above): the 8B projections x36 on one H200 at 8 / 16 rows
 2.12 / 2.28 ms against int4_gemv's 2.50 / 2.62 (the 4-stage ring keeps more weight bytes in flight
 than the GEMV's loads), at 32 / 64 rows 2.76 / 3.24 against int4_gemm's 3.00 / 3.55; at one row 2.10
 against the GEMV's 2.02, so one row stays there. Gluon runs only compiled, so there is no interpreter
@@ -173,8 +174,8 @@ if HAS_GLUON:
             mbarrier.invalidate(ready.index(i))
 
         # out^T leaves in [BLOCK_N, BLOCK_M / 4] pieces from 128 rows: pointers for the whole tile would
-        # take every register. With K split, the splits add into float32 sums in a zeroed workspace; the last to
-        # arrive writes the output and leaves sums and count at zero (as int4_gemm)
+        # take every register. With K split, the splits add into float32 sums in a zeroed workspace;
+        # the last to arrive writes the output and leaves sums and count at zero (as int4_gemm)
         if BLOCK_M <= 32:
             _store_piece(sums_low + sums_high, off_m, off_n, M, N, out_ptr, partial_ptr, SPLIT)
         else:

@@ -38,9 +38,10 @@ from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_prev
 from nanovllm.kernels.zeroed_workspace import PendingSums, zeroed_workspace
 
 # The weight-only linear sends 4-bit products of at most this many rows here on CUDA (more to
-# int4_gemm, then int_dequantize; on Hopper only one row: more go to int4_gemm_hopper). Measured with `scripts/int_gemm_bench.py --int4-gemv` (Qwen3-8B
-# projections of 36 layers, docs/benchmarks.md): on one H100 2.82 ms (the 16-row tile; element-wise
-# now 2.15) against int_gemm's 4.46 at one row, 4.11 against 4.69 at 16. From 17 rows int4_gemm is
+# int4_gemm, then int_dequantize; on Hopper only one row: more go to int4_gemm_hopper). Measured
+# with `scripts/int_gemm_bench.py --int4-gemv` (Qwen3-8B projections of 36 layers,
+# docs/benchmarks.md): on one H100 2.82 ms (the 16-row tile; element-wise now 2.15) against
+# int_gemm's 4.46 at one row, 4.11 against 4.69 at 16. From 17 rows int4_gemm is
 # faster (one H200, one call, 2026-12-02: x36 3.74 / 3.75 ms at 24 / 32 rows against 3.93 / 4.00 here
 # in the 32-row tiles it had then, bf16 3.91 / 3.95; AWQ TPOT at batch 24 / 32 5.064 / 5.119 ms
 # through this GEMV, 4.824 / 4.892 through int4_gemm); at 16 rows this GEMV's 2.60 ms beats its 3.71.
