@@ -45,9 +45,10 @@ class WeightOnlyIntMethod(LinearMethod):
         layer.group_size = group_size
 
     def takes_gemv(self, layer: nn.Module, x: torch.Tensor) -> bool:
-        """Whether x [M, K] goes through the 4-bit GEMV: 16-bit rows on the GPU, a few of them."""
+        """Whether x [M, K] goes through the 4-bit GEMV: 16-bit rows on the GPU, a few of them, that
+        Hopper's GEMM does not take (on Hopper, one row)."""
         return runs_kernels(x) and x.shape[0] <= int4_gemv_module.GEMV_MAX_ROWS \
-            and gemv_supported(x.shape[1], layer.group_size, layer.g_idx, self.bits)
+            and gemv_supported(x.shape[1], layer.group_size, layer.g_idx, self.bits) and not hopper_gemm_takes(x)
 
     def takes_gemm(self, layer: nn.Module, x: torch.Tensor) -> bool:
         """Whether x [M, K] goes through the 4-bit GEMM of decode batches: 16-bit rows on the GPU, fewer
@@ -55,18 +56,11 @@ class WeightOnlyIntMethod(LinearMethod):
         return runs_kernels(x) and x.shape[0] < DEQUANTIZE_FROM_ROWS \
             and gemm_supported(x.shape[1], layer.group_size, layer.g_idx, self.bits)
 
-    def takes_hopper_gemm(self, layer: nn.Module, x: torch.Tensor) -> bool:
-        """Whether x [M, K] goes through int4_gemm_hopper: two rows or more, on Hopper, of a
-        layer the GEMM takes."""
-        return self.takes_gemm(layer, x) and hopper_gemm_takes(x)
-
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         args = (layer.qweight, layer.scales, layer.scaled_zeros)
         if not runs_kernels(x2):
             y = int_gemm_ref(x2, *args, self.bits, layer.group_size, layer.g_idx)
-        elif self.takes_hopper_gemm(layer, x2):
-            y = int4_gemm_hopper(x2, *args, layer.group_size)
         elif self.takes_gemv(layer, x2):
             # a layer feeding a residual norm (RowParallelLinear.feed_residual_norm) may hand it
             # unfinished split-K sums as they are; a 2-D output needs no reshape
@@ -75,7 +69,7 @@ class WeightOnlyIntMethod(LinearMethod):
             if leave_sums:
                 return y
         elif self.takes_gemm(layer, x2):
-            y = int4_gemm(x2, *args, layer.group_size)
+            y = (int4_gemm_hopper if hopper_gemm_takes(x2) else int4_gemm)(x2, *args, layer.group_size)
         else:   # prefills of every format through the dequantized weight; the rest through int_gemm
             multiply = dequantized_matmul if x2.shape[0] >= DEQUANTIZE_FROM_ROWS else int_gemm
             y = multiply(x2, *args, self.bits, layer.group_size, layer.g_idx)
@@ -84,7 +78,7 @@ class WeightOnlyIntMethod(LinearMethod):
 
     def apply_silu_and_mul(self, layer, x, bias=None):
         # the GEMV's epilogue; a bias would have to be added before the activation
-        if bias is not None or x.dim() != 2 or not self.takes_gemv(layer, x) or self.takes_hopper_gemm(layer, x):
+        if bias is not None or x.dim() != 2 or not self.takes_gemv(layer, x):
             return None
         return int4_gemv(x.contiguous(), layer.qweight, layer.scales, layer.scaled_zeros, layer.group_size,
                          gated=True)
