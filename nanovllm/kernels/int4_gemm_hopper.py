@@ -5,10 +5,10 @@ The same arithmetic as int4_gemm.py (two packed words of a column dequantized to
 `dequantize_asm`, the weight tile the matrix cores' register operand, out^T = W^T x^T, x read as it
 is thanks to int_gemm's step order), scheduled differently: x and the packed words of each 128-row step come by
 TMA into a ring of STAGES buffers, each signalled by an mbarrier; a step's two products (rows 0-3 of
-the words, then 4-7) each add into their own float32 sums and the program waits after each product
-until one is left in flight, so one half is dequantized while the other multiplies. (With one set of
-sums chained across steps the results came out wrong on an H200, Triton 3.6; with two they match the
-twin.) From 65 rows 128 x 128 tiles of two warp groups, K split as int4_gemm's `launch_for` splits
+the words, then 4-7) add into one set of float32 sums and the program waits after each product
+until one is left in flight, so one half is dequantized while the other multiplies. The last product
+is retired inside the loop, not after it: there ptxas moved the epilogue's reads of the sums above
+the wait. From 65 rows 128 x 128 tiles of two warp groups, K split as int4_gemm's `launch_for` splits
 it: on one H200 (2026-12-02) the 8B projections x36 at 96 / 128 / 160 / 192 / 256 rows took 5.06 /
 5.31 / 8.05 / 7.84 / 8.01 ms against int4_gemm's 5.51 / 5.72 / 8.96 / 8.94 / 8.68. Fewer rows take x
 tiles of 8, 16, 32 or 64 rows (the products as wide, K split to about three programs per SM up to 16
@@ -144,8 +144,7 @@ if HAS_GLUON:
         group = k_start // GROUP_SIZE
         s_next = gl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0)
         z_next = gl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0)
-        sums_low = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=sums_layout)
-        sums_high = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=sums_layout)
+        sums = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=sums_layout)
         high = gl.zeros([BLOCK_N, 64], dtype, layout=weight_layout)
         for step in range(steps):
             stage = step % STAGES
@@ -160,16 +159,20 @@ if HAS_GLUON:
             neg_z, _ = gl.broadcast(gl.expand_dims(-z_now, 0), words)
             # a product's register operand stays alive until the wait that retires the product
             low = _dequantize(words, s, neg_z, ASM_LOW, weight_layout)
-            sums_low = warpgroup_mma(low, x_smem.index(2 * stage).permute((1, 0)), sums_low, is_async=True)
-            sums_low, sums_high, high = warpgroup_mma_wait(num_outstanding=1, deps=(sums_low, sums_high, high))
+            sums = warpgroup_mma(low, x_smem.index(2 * stage).permute((1, 0)), sums, is_async=True)
+            sums, high = warpgroup_mma_wait(num_outstanding=1, deps=(sums, high))
             high = _dequantize(words, s, neg_z, ASM_HIGH, weight_layout)
-            sums_high = warpgroup_mma(high, x_smem.index(2 * stage + 1).permute((1, 0)), sums_high, is_async=True)
-            sums_low, sums_high, low = warpgroup_mma_wait(num_outstanding=1, deps=(sums_low, sums_high, low))
+            sums = warpgroup_mma(high, x_smem.index(2 * stage + 1).permute((1, 0)), sums, is_async=True)
+            sums, low = warpgroup_mma_wait(num_outstanding=1, deps=(sums, low))
+            if step + 1 == steps:
+                # retire the last product here: after the loop ptxas (12.8, 12.9) moved the epilogue's
+                # reads of the chained sums above the wait, and the last product went missing
+                warpgroup_mma_wait(num_outstanding=0, deps=(sums,))
             # the buffer the next load fills was read by the last step's products, now retired in every warp
             _sync_threads()
             if step + STAGES - 1 < steps:
                 _load_step(step + STAGES - 1, k_start, off_m, off_n, x_desc, w_desc, x_smem, w_smem, ready, STAGES)
-        sums_low, sums_high = warpgroup_mma_wait(num_outstanding=0, deps=(sums_low, sums_high))
+        sums = warpgroup_mma_wait(num_outstanding=0, deps=(sums,))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
 
@@ -177,9 +180,9 @@ if HAS_GLUON:
         # take every register. With K split, the splits add into float32 sums in a zeroed workspace;
         # the last to arrive writes the output and leaves sums and count at zero (as int4_gemm)
         if BLOCK_M <= 32:
-            _store_piece(sums_low + sums_high, off_m, off_n, M, N, out_ptr, partial_ptr, SPLIT)
+            _store_piece(sums, off_m, off_n, M, N, out_ptr, partial_ptr, SPLIT)
         else:
-            halves = _halves(sums_low + sums_high)
+            halves = _halves(sums)
             for h in gl.static_range(2):
                 quarters = _halves(halves[h])
                 for q in gl.static_range(2):
