@@ -1,9 +1,11 @@
 """int4_gemm's Gluon kernel for Hopper against int_gemm's torch twin (on a Hopper GPU: Gluon has no
 interpreter): partial row and column tiles, K split or not, groups of several steps, the workspace
-left zero; built for sm_90a without a GPU, ptxas keeps its products in flight and spills nothing;
-the weight-only layer sends two rows and more to it on Hopper."""
+left zero; built for sm_90a without a GPU, ptxas keeps its products in flight, spills nothing and
+stays within a Hopper program's shared memory; the weight-only layer sends two rows and more to it on
+Hopper."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -29,10 +31,12 @@ def both(x, layer, group_size, config=None, split_k=None):
 @needs_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,split_k", [(1, None), (5, 3), (8, 1), (11, None), (16, 2), (20, None), (32, 3),
-                                          (40, 1), (64, None), (65, None), (130, 1), (130, 3), (300, 2)])
+                                          (40, 1), (64, None), (65, None), (96, 2), (112, None), (130, 1),
+                                          (150, 3), (161, None), (192, 1), (300, 2)])
 def test_matches_twin(dtype, rows, split_k):
     """200 columns: a partial column tile; 1-64 rows: x tiles of 8 to 64 rows, some partly filled;
-    130 and 300 rows: partial row tiles; K = 512 split in 3: uneven runs of steps."""
+    65-128 rows: tiles of 128; 129-160: tiles of two pieces (128 + 32); 161 and more: partial row tiles
+    of 128; K = 512 split in 3: uneven runs of steps."""
     k, n, group_size = 512, 200, 128
     layer = awq_layer(k, n, group_size, dtype, seed=2)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE, dtype)
@@ -69,38 +73,48 @@ def test_takes_16_bit_rows_on_hopper_only():
         assert not hopper.takes(torch.zeros(128, 256, dtype=torch.float32, device="cuda"))
 
 
-def hopper_ptxas_log(split: bool, block_m: int = hopper.BLOCK_M) -> str:
-    """ptxas's report on the kernel built for sm_90a as int4_gemm_hopper launches it for bfloat16
-    (compiled for a target without a GPU; outside the interpreter, so the test runs this in a child)."""
+def hopper_build(split: bool, block_m: int = hopper.BLOCK_M, extra_m: int = 0):
+    """The kernel built for sm_90a as int4_gemm_hopper launches it for bfloat16 (compiled for a target
+    without a GPU; outside the interpreter, so the test runs this in a child)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
     from triton.experimental import gluon
     kernel = hopper._int4_gemm_hopper_kernel
     index = {name: i for i, name in enumerate(kernel.arg_names)}
-    constants = dict(GROUP_SIZE=128, BLOCK_N=hopper.BLOCK_N, BLOCK_M=block_m, STAGES=hopper.STAGES,
+    constants = dict(GROUP_SIZE=128, BLOCK_N=hopper.BLOCK_N, BLOCK_M=block_m, EXTRA_M=extra_m, STAGES=hopper.STAGES,
                      SPLIT=split, ASM_LOW=dequantize_asm(torch.bfloat16, 0), ASM_HIGH=dequantize_asm(torch.bfloat16, 4),
                      num_warps=hopper.NUM_WARPS)
-    x_layout, words_layout = hopper.shared_layouts(torch.bfloat16, block_m)
+    (x_layout, words_layout), x2_layout = hopper.shared_layouts(torch.bfloat16, block_m), \
+        hopper.shared_layouts(torch.bfloat16, extra_m or block_m)[0]
     signature = {name: "i32" for name in kernel.arg_names}
     signature.update(x_desc=f"tensordesc<bf16[{block_m}, 64],{x_layout!r}>",
+                     x2_desc=f"tensordesc<bf16[{extra_m or block_m}, 64],{x2_layout!r}>",
                      w_desc=f"tensordesc<i32[16, {hopper.BLOCK_N}],{words_layout!r}>", scales_ptr="*bf16",
                      zeros_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", arrivals_ptr="*i32",
                      **{name: "constexpr" for name in constants})
     aligned = ["scales_ptr", "zeros_ptr", "out_ptr", "partial_ptr", "arrivals_ptr", "N", "K", "K_PER_SPLIT"]
     source = gluon._runtime.GluonASTSource(kernel, signature, {(index[name],): v for name, v in constants.items()},
                                            attrs={(index[name],): [["tt.divisibility", 16]] for name in aligned})
-    return ptxas_report(triton_compile(source, target=GPUTarget("cuda", 90, 32),
-                                       options={"num_warps": hopper.NUM_WARPS}).asm["ptx"])
+    return triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": hopper.NUM_WARPS})
+
+
+def hopper_ptxas_log(split: bool, block_m: int = hopper.BLOCK_M, extra_m: int = 0) -> str:
+    """ptxas's report on hopper_build, and the shared memory the launch asks for."""
+    build = hopper_build(split, block_m, extra_m)
+    return ptxas_report(build.asm["ptx"]) + f"shared memory: {build.metadata.shared} bytes\n"
 
 
 @pytest.mark.skipif(not hopper.HAS_GLUON, reason="needs Triton's Gluon")
 def test_hopper_build_keeps_the_products_in_flight():
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     script = ("from tests.test_int4_gemm_hopper import hopper_ptxas_log\n"
-              "print(*(hopper_ptxas_log(split, m) for m, split in ((8, True), (16, True), (32, True), (64, True),"
-              " (128, False), (128, True))))")
+              "print(*(hopper_ptxas_log(split, *tile) for tile, split in (((8, 0), True), ((16, 0), True),"
+              " ((32, 0), True), ((64, 0), True), ((128, 0), False), ((128, 0), True), ((128, 32), False),"
+              " ((128, 32), True))))")
     log = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
-    assert log.count("Compiling entry function '_int4_gemm_hopper_kernel' for 'sm_90a'") == 6, log
+    assert log.count("Compiling entry function '_int4_gemm_hopper_kernel' for 'sm_90a'") == 8, log
     assert "C751" not in log and "serialized" not in log, log
-    assert log.count("0 bytes spill stores") == 6, log
+    assert log.count("0 bytes spill stores") == 8, log
+    # an H100 or H200 gives a program at most 227 KiB of shared memory
+    assert max(int(size) for size in re.findall(r"shared memory: (\d+) bytes", log)) <= 227 * 1024, log

@@ -10,7 +10,10 @@ until one is left in flight, so one half is dequantized while the other multipli
 is retired inside the loop, not after it: there ptxas moved the epilogue's reads of the sums above
 the wait. From 65 rows 128 x 128 tiles of two warp groups, K split as int4_gemm's `launch_for` splits
 it: on one H200 (2026-12-02) the 8B projections x36 at 96 / 128 / 160 / 192 / 256 rows took 5.06 /
-5.31 / 8.05 / 7.84 / 8.01 ms against int4_gemm's 5.51 / 5.72 / 8.96 / 8.94 / 8.68. Fewer rows take x
+5.31 / 8.05 / 7.84 / 8.01 ms against int4_gemm's 5.51 / 5.72 / 8.96 / 8.94 / 8.68. At 129-160 rows
+the tile is one x piece of 128 rows and a second of 32, both multiplied by each dequantized weight
+tile (x36 at 136 / 160 rows 6.61 / 6.77 ms against 8.22 / 7.70 in two 128-row tiles; H200,
+2026-12-03). Fewer rows take x
 tiles of 8, 16, 32 or 64 rows (the products as wide, K split to about three programs per SM up to 16
 rows, two above): the 8B projections x36 on one H200 at 8 / 16 rows
 2.12 / 2.28 ms against int4_gemv's 2.50 / 2.62 (the 4-stage ring keeps more weight bytes in flight
@@ -44,17 +47,23 @@ BLOCK_N, BLOCK_M, STAGES, NUM_WARPS = 128, 128, 4, 8
 # 4% (docstring); from 65 rows 128-row tiles split as int4_gemm's launch_for
 FEW_ROWS_MAX, FEW_ROWS_PROGRAMS_PER_SM = 16, 3
 SMALL_TILE_MAX, SMALL_TILE_PROGRAMS_PER_SM = 64, 2
+# 129-160 rows take one x tile of a 128-row piece and a 32-row one, so the products are as wide as
+# the rows need and each weight is dequantized once, not once per 128-row tile. (64 + 32 at 65-96
+# rows and 128 + 64 at 161-192 did not pay: docs/benchmarks.md.)
+EXTRA_ROWS = 32
 
 
-def rows_tile(m: int) -> int:
-    """The x tile (rows per program) for m rows."""
-    return next((tile for tile in (8, 16, 32, 64) if m <= tile), BLOCK_M)
+def rows_tile(m: int) -> tuple[int, int]:
+    """The x tile for m rows: the rows of its main piece and of a second, narrower one (or 0)."""
+    if m <= SMALL_TILE_MAX:
+        return next(tile for tile in (8, 16, 32, 64) if m <= tile), 0
+    return BLOCK_M, EXTRA_ROWS if BLOCK_M < m <= BLOCK_M + EXTRA_ROWS else 0
 
 
 def split_for(m: int, n: int, k: int, device: torch.device) -> int:
     """How many K splits for an [m, k] @ [k, n] product."""
-    if m > SMALL_TILE_MAX:
-        return launch_for(m, n, k)[1]
+    if m > SMALL_TILE_MAX:   # a tile of two pieces splits as one of 128 rows
+        return launch_for(BLOCK_M if sum(rows_tile(m)) >= m else m, n, k)[1]
     per_sm = FEW_ROWS_PROGRAMS_PER_SM if m <= FEW_ROWS_MAX else SMALL_TILE_PROGRAMS_PER_SM
     return max(1, round(per_sm * sm_count(device) / triton.cdiv(n, BLOCK_N)))
 
@@ -80,14 +89,21 @@ if HAS_GLUON:
         return gl.convert_layout(gl.permute(tile, (1, 0)), LAYOUT)
 
     @gluon.jit
-    def _load_step(step, k_start, off_m, off_n, x_desc, w_desc, x_smem, w_smem, ready, STAGES: gl.constexpr):
-        """TMA of one step's packed words and its two halves of x into buffer step % STAGES."""
+    def _load_step(step, k_start, off_m, off_n, x_desc, x2_desc, w_desc, x_smem, x2_smem, w_smem, ready,
+                   STAGES: gl.constexpr, EXTRA_M: gl.constexpr):
+        """TMA of one step's packed words and the two halves of each x piece into buffer step % STAGES."""
         stage = step % STAGES
         k0 = k_start + step * 128
-        mbarrier.expect(ready.index(stage), 2 * x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        nbytes: gl.constexpr = 2 * x_desc.block_type.nbytes + w_desc.block_type.nbytes \
+            + (2 * x2_desc.block_type.nbytes if EXTRA_M > 0 else 0)
+        mbarrier.expect(ready.index(stage), nbytes)
         _tma_load(w_desc, [k0 // 8, off_n], ready.index(stage), w_smem.index(stage))
         _tma_load(x_desc, [off_m, k0], ready.index(stage), x_smem.index(2 * stage))
         _tma_load(x_desc, [off_m, k0 + 64], ready.index(stage), x_smem.index(2 * stage + 1))
+        if EXTRA_M > 0:
+            off_m2 = off_m + x_desc.block_type.shape[0]
+            _tma_load(x2_desc, [off_m2, k0], ready.index(stage), x2_smem.index(2 * stage))
+            _tma_load(x2_desc, [off_m2, k0 + 64], ready.index(stage), x2_smem.index(2 * stage + 1))
 
     @gluon.jit
     def _halves(t):
@@ -111,10 +127,25 @@ if HAS_GLUON:
             gl.store(out_ptr + offsets, piece.to(out_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
-    def _int4_gemm_hopper_kernel(x_desc, w_desc, scales_ptr, zeros_ptr, out_ptr, partial_ptr, arrivals_ptr,
-                                 M, N, K, K_PER_SPLIT, NUM_SPLITS, GROUP_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                                 BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                                 ASM_LOW: gl.constexpr, ASM_HIGH: gl.constexpr, num_warps: gl.constexpr):
+    def _store_sums(sums, row0, off_n, M, N, out_ptr, partial_ptr, SPLIT: gl.constexpr):
+        """out^T's [BLOCK_N, R] sums from row0, in pieces of at most 32 rows: pointers for a wider
+        piece would take every register."""
+        if sums.shape[1] <= 32:
+            _store_piece(sums, row0, off_n, M, N, out_ptr, partial_ptr, SPLIT)
+        else:
+            halves = _halves(sums)
+            for h in gl.static_range(2):
+                quarters = _halves(halves[h])
+                for q in gl.static_range(2):
+                    _store_piece(quarters[q], row0 + (2 * h + q) * (sums.shape[1] // 4), off_n, M, N, out_ptr,
+                                 partial_ptr, SPLIT)
+
+    @gluon.jit
+    def _int4_gemm_hopper_kernel(x_desc, x2_desc, w_desc, scales_ptr, zeros_ptr, out_ptr, partial_ptr,
+                                 arrivals_ptr, M, N, K, K_PER_SPLIT, NUM_SPLITS, GROUP_SIZE: gl.constexpr,
+                                 BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr,
+                                 STAGES: gl.constexpr, SPLIT: gl.constexpr, ASM_LOW: gl.constexpr,
+                                 ASM_HIGH: gl.constexpr, num_warps: gl.constexpr):
         sums_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                               instr_shape=[16, BLOCK_M, 16])
         weight_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=sums_layout, k_width=2)
@@ -126,18 +157,23 @@ if HAS_GLUON:
             warp_bases=[[0, 16], [0, 32], [0, 64]], block_bases=[], shape=[16, BLOCK_N])
         dtype: gl.constexpr = x_desc.dtype
         pid_m, pid_n = gl.program_id(0), gl.program_id(1)
-        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        off_m, off_n = pid_m * (BLOCK_M + EXTRA_M), pid_n * BLOCK_N
         k_start = gl.program_id(2) * K_PER_SPLIT
         steps = gl.maximum(gl.cdiv(gl.minimum(K_PER_SPLIT, K - k_start), 128), 1)
 
         x_smem = gl.allocate_shared_memory(dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
         w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+        if EXTRA_M > 0:
+            x2_smem = gl.allocate_shared_memory(dtype, [2 * STAGES] + x2_desc.block_type.shape, x2_desc.layout)
+        else:
+            x2_smem = x_smem
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
         for i in gl.static_range(STAGES - 1):
             if i < steps:
-                _load_step(i, k_start, off_m, off_n, x_desc, w_desc, x_smem, w_smem, ready, STAGES)
+                _load_step(i, k_start, off_m, off_n, x_desc, x2_desc, w_desc, x_smem, x2_smem, w_smem, ready, STAGES,
+                           EXTRA_M)
 
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, words_layout))
         col_ok = cols < N
@@ -145,6 +181,10 @@ if HAS_GLUON:
         s_next = gl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0)
         z_next = gl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0)
         sums = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=sums_layout)
+        if EXTRA_M > 0:
+            sums2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                                   instr_shape=[16, EXTRA_M, 16])
+            sums2 = gl.zeros([BLOCK_N, EXTRA_M], gl.float32, layout=sums2_layout)
         high = gl.zeros([BLOCK_N, 64], dtype, layout=weight_layout)
         for step in range(steps):
             stage = step % STAGES
@@ -158,43 +198,51 @@ if HAS_GLUON:
             s, _ = gl.broadcast(gl.expand_dims(s_now, 0), words)
             neg_z, _ = gl.broadcast(gl.expand_dims(-z_now, 0), words)
             # a product's register operand stays alive until the wait that retires the product
+            # (the second piece's products ride along: they are waited for with the first's)
             low = _dequantize(words, s, neg_z, ASM_LOW, weight_layout)
             sums = warpgroup_mma(low, x_smem.index(2 * stage).permute((1, 0)), sums, is_async=True)
-            sums, high = warpgroup_mma_wait(num_outstanding=1, deps=(sums, high))
+            if EXTRA_M > 0:
+                sums2 = warpgroup_mma(low, x2_smem.index(2 * stage).permute((1, 0)), sums2, is_async=True)
+                sums, sums2, high = warpgroup_mma_wait(num_outstanding=2, deps=(sums, sums2, high))
+            else:
+                sums, high = warpgroup_mma_wait(num_outstanding=1, deps=(sums, high))
             high = _dequantize(words, s, neg_z, ASM_HIGH, weight_layout)
             sums = warpgroup_mma(high, x_smem.index(2 * stage + 1).permute((1, 0)), sums, is_async=True)
-            sums, low = warpgroup_mma_wait(num_outstanding=1, deps=(sums, low))
+            if EXTRA_M > 0:
+                sums2 = warpgroup_mma(high, x2_smem.index(2 * stage + 1).permute((1, 0)), sums2, is_async=True)
+                sums, sums2, low = warpgroup_mma_wait(num_outstanding=2, deps=(sums, sums2, low))
+            else:
+                sums, low = warpgroup_mma_wait(num_outstanding=1, deps=(sums, low))
             if step + 1 == steps:
-                # retire the last product here: after the loop ptxas (12.8, 12.9) moved the epilogue's
+                # retire the last products here: after the loop ptxas (12.8, 12.9) moved the epilogue's
                 # reads of the chained sums above the wait, and the last product went missing
-                warpgroup_mma_wait(num_outstanding=0, deps=(sums,))
+                if EXTRA_M > 0:
+                    warpgroup_mma_wait(num_outstanding=0, deps=(sums, sums2))
+                else:
+                    warpgroup_mma_wait(num_outstanding=0, deps=(sums,))
             # the buffer the next load fills was read by the last step's products, now retired in every warp
             _sync_threads()
             if step + STAGES - 1 < steps:
-                _load_step(step + STAGES - 1, k_start, off_m, off_n, x_desc, w_desc, x_smem, w_smem, ready, STAGES)
+                _load_step(step + STAGES - 1, k_start, off_m, off_n, x_desc, x2_desc, w_desc, x_smem, x2_smem, w_smem,
+                           ready, STAGES, EXTRA_M)
         sums = warpgroup_mma_wait(num_outstanding=0, deps=(sums,))
+        if EXTRA_M > 0:
+            sums2 = warpgroup_mma_wait(num_outstanding=0, deps=(sums2,))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
 
-        # out^T leaves in [BLOCK_N, BLOCK_M / 4] pieces from 128 rows: pointers for the whole tile would
-        # take every register. With K split, the splits add into float32 sums in a zeroed workspace;
-        # the last to arrive writes the output and leaves sums and count at zero (as int4_gemm)
-        if BLOCK_M <= 32:
-            _store_piece(sums, off_m, off_n, M, N, out_ptr, partial_ptr, SPLIT)
-        else:
-            halves = _halves(sums)
-            for h in gl.static_range(2):
-                quarters = _halves(halves[h])
-                for q in gl.static_range(2):
-                    _store_piece(quarters[q], off_m + (2 * h + q) * (BLOCK_M // 4), off_n, M, N, out_ptr,
-                                 partial_ptr, SPLIT)
+        # With K split, the splits add into float32 sums in a zeroed workspace; the last to arrive
+        # writes the output and leaves sums and count at zero (as int4_gemm)
+        _store_sums(sums, off_m, off_n, M, N, out_ptr, partial_ptr, SPLIT)
+        if EXTRA_M > 0:
+            _store_sums(sums2, off_m + BLOCK_M, off_n, M, N, out_ptr, partial_ptr, SPLIT)
         if SPLIT:
             _sync_threads()
             arrivals = arrivals_ptr + pid_n * gl.num_programs(0) + pid_m
             if gl.atomic_add(arrivals, 1, sem="acq_rel") == NUM_SPLITS - 1:
                 rows_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
                 FINISH_ROWS: gl.constexpr = min(32, BLOCK_M)
-                for r in gl.static_range(BLOCK_M // FINISH_ROWS):
+                for r in gl.static_range((BLOCK_M + EXTRA_M) // FINISH_ROWS):
                     rows = off_m + r * FINISH_ROWS + gl.arange(0, FINISH_ROWS, layout=gl.SliceLayout(1, rows_layout))
                     out_cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, rows_layout))
                     row_offsets = gl.expand_dims(rows, 1) * N + gl.expand_dims(out_cols, 0)
@@ -221,18 +269,20 @@ def int4_gemm_hopper(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if not gemm_supported(k, group_size, None, 4) or qweight.shape[0] * 8 != k:
         raise ValueError(f"int4_gemm_hopper: needs groups of a multiple of {STEP} rows dividing K = {k} and "
                          f"{k // 8} packed rows; got group_size {group_size}, {qweight.shape[0]} packed rows")
-    block_m = rows_tile(m)
+    block_m, extra_m = rows_tile(m)
     k_per_split, split_k = k_splits(k, split_k or split_for(m, n, k, x.device))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N), split_k)
+    grid = (triton.cdiv(m, block_m + extra_m), triton.cdiv(n, BLOCK_N), split_k)
     partial, arrivals = split_workspace(out, grid)
-    x_layout, words_layout = shared_layouts(x.dtype, block_m)
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, 64], x_layout)
-    w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, BLOCK_N], words_layout)
-    _int4_gemm_hopper_kernel[grid](x_desc, w_desc, scales, scaled_zeros, out, partial, arrivals, m, n, k,
+    x_desc, x2_desc = (TensorDescriptor(x, list(x.shape), list(x.stride()), [rows, 64],
+                                        shared_layouts(x.dtype, rows)[0]) for rows in (block_m, extra_m or block_m))
+    w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, BLOCK_N],
+                              shared_layouts(x.dtype)[1])
+    _int4_gemm_hopper_kernel[grid](x_desc, x2_desc, w_desc, scales, scaled_zeros, out, partial, arrivals, m, n, k,
                                    k_per_split, split_k, GROUP_SIZE=group_size, BLOCK_N=BLOCK_N, BLOCK_M=block_m,
-                                   STAGES=STAGES, SPLIT=split_k > 1, ASM_LOW=dequantize_asm(x.dtype, 0),
-                                   ASM_HIGH=dequantize_asm(x.dtype, 4), num_warps=NUM_WARPS)
+                                   EXTRA_M=extra_m, STAGES=STAGES, SPLIT=split_k > 1,
+                                   ASM_LOW=dequantize_asm(x.dtype, 0), ASM_HIGH=dequantize_asm(x.dtype, 4),
+                                   num_warps=NUM_WARPS)
     return out

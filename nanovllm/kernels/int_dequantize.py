@@ -18,7 +18,8 @@ from nanovllm.kernels.triton_compat import tl, triton
 # From this many rows the weight-only linear multiplies the dequantized weight: the 8B projections of 36
 # layers on one H200 (`scripts/int_gemm_bench.py --int4-gemm`, docs/benchmarks.md) took 12.83 ms this way
 # against int4_gemm's 12.25 at 256 rows, 15.61 against 18.13 at 384, 25.28 against int_gemm's 31.37 at
-# 1,024 and 83.58 against 125.24 at 4,096 (bf16 81.91)
+# 1,024 and 83.58 against 125.24 at 4,096 (bf16 81.91). Against Hopper's int4_gemm_hopper (2026-12-03):
+# 10.37 against 7.44 ms at 256 rows, 11.44 against 12.95 at 320, 23.57 against 31.22 at 1,024
 DEQUANTIZE_FROM_ROWS = 320
 
 _scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
