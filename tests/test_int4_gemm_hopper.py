@@ -84,13 +84,12 @@ def hopper_build(split: bool, block_m: int = hopper.BLOCK_M, extra_m: int = 0):
     constants = dict(GROUP_SIZE=128, BLOCK_N=hopper.BLOCK_N, BLOCK_M=block_m, EXTRA_M=extra_m, STAGES=hopper.STAGES,
                      SPLIT=split, ASM_LOW=dequantize_asm(torch.bfloat16, 0), ASM_HIGH=dequantize_asm(torch.bfloat16, 4),
                      num_warps=hopper.NUM_WARPS)
-    (x_layout, words_layout), x2_layout = hopper.shared_layouts(torch.bfloat16, block_m), \
-        hopper.shared_layouts(torch.bfloat16, extra_m or block_m)[0]
+    x_desc, x2_desc = (f"tensordesc<bf16[{rows}, 64],{hopper.x_shared_layout(torch.bfloat16, rows)!r}>"
+                       for rows in (block_m, extra_m or block_m))
     signature = {name: "i32" for name in kernel.arg_names}
-    signature.update(x_desc=f"tensordesc<bf16[{block_m}, 64],{x_layout!r}>",
-                     x2_desc=f"tensordesc<bf16[{extra_m or block_m}, 64],{x2_layout!r}>",
-                     w_desc=f"tensordesc<i32[16, {hopper.BLOCK_N}],{words_layout!r}>", scales_ptr="*bf16",
-                     zeros_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", arrivals_ptr="*i32",
+    signature.update(x_desc=x_desc, x2_desc=x2_desc,
+                     w_desc=f"tensordesc<i32[16, {hopper.BLOCK_N}],{hopper.words_shared_layout()!r}>",
+                     scales_ptr="*bf16", zeros_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", arrivals_ptr="*i32",
                      **{name: "constexpr" for name in constants})
     aligned = ["scales_ptr", "zeros_ptr", "out_ptr", "partial_ptr", "arrivals_ptr", "N", "K", "K_PER_SPLIT"]
     source = gluon._runtime.GluonASTSource(kernel, signature, {(index[name],): v for name, v in constants.items()},

@@ -62,7 +62,7 @@ def rows_tile(m: int) -> tuple[int, int]:
 
 def split_for(m: int, n: int, k: int, device: torch.device) -> int:
     """How many K splits for an [m, k] @ [k, n] product."""
-    if m > SMALL_TILE_MAX:   # a tile of two pieces splits as one of 128 rows
+    if m > SMALL_TILE_MAX:   # one tile that holds every row (up to 128 + EXTRA_ROWS) splits as 128 rows
         return launch_for(BLOCK_M if sum(rows_tile(m)) >= m else m, n, k)[1]
     per_sm = FEW_ROWS_PROGRAMS_PER_SM if m <= FEW_ROWS_MAX else SMALL_TILE_PROGRAMS_PER_SM
     return max(1, round(per_sm * sm_count(device) / triton.cdiv(n, BLOCK_N)))
@@ -253,12 +253,14 @@ if HAS_GLUON:
                 gl.store(arrivals, 0)
 
 
-def shared_layouts(dtype: torch.dtype, block_m: int = BLOCK_M) -> tuple:
-    """The TMA buffers' layouts: x's rows of 64 as the matrix cores read them (128-byte swizzle), the
-    packed words plain (their rows are 512 bytes, wider than any swizzle)."""
-    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return (gl.NVMMASharedLayout.get_default_for([block_m, 64], gl_dtype),
-            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+def x_shared_layout(dtype: torch.dtype, rows: int):
+    """The TMA buffer layout of an x piece: its rows of 64 as the matrix cores read them (128-byte swizzle)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, 64], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def words_shared_layout():
+    """The TMA buffer layout of the packed words: plain (their rows are 512 bytes, wider than any swizzle)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 def int4_gemm_hopper(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,
@@ -276,10 +278,11 @@ def int4_gemm_hopper(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         return out
     grid = (triton.cdiv(m, block_m + extra_m), triton.cdiv(n, BLOCK_N), split_k)
     partial, arrivals = split_workspace(out, grid)
-    x_desc, x2_desc = (TensorDescriptor(x, list(x.shape), list(x.stride()), [rows, 64],
-                                        shared_layouts(x.dtype, rows)[0]) for rows in (block_m, extra_m or block_m))
+    # without a second piece the kernel never reads x2_desc
+    x_desc, x2_desc = (TensorDescriptor(x, list(x.shape), list(x.stride()), [rows, 64], x_shared_layout(x.dtype, rows))
+                       for rows in (block_m, extra_m or block_m))
     w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, BLOCK_N],
-                              shared_layouts(x.dtype)[1])
+                              words_shared_layout())
     _int4_gemm_hopper_kernel[grid](x_desc, x2_desc, w_desc, scales, scaled_zeros, out, partial, arrivals, m, n, k,
                                    k_per_split, split_k, GROUP_SIZE=group_size, BLOCK_N=BLOCK_N, BLOCK_M=block_m,
                                    EXTRA_M=extra_m, STAGES=STAGES, SPLIT=split_k > 1,
