@@ -11,6 +11,10 @@ differ by an ulp (rsqrt, exp and the order of the sum of squares differ between 
 in tests/test_kernels.py), which moves a code by at most one e4m3 step and a scale by at most one
 16-bit ulp of the row's maximum (compared within two).
 """
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -120,6 +124,52 @@ def test_silu_and_mul_quant_matches_the_unfused_kernels(rows, cols, group, dtype
     fused = silu_and_mul_quant(x, group)
     assert_same_as_unfused(fused, *quantize_activation(silu_and_mul(x), group), dtype)
     assert_near_twin(fused, silu_and_mul_quant_ref(x, group), group)
+
+
+@pytest.mark.parametrize("chunk", [512, 1024])
+def test_silu_and_mul_quant_holds_a_row_in_several_chunks(chunk, monkeypatch):
+    """A per-token row of several chunks, the last one partial (3 of 1,024 or 5 of 512 columns at
+    2,500: 8 and 16 warps), quantized with the scale of the whole row."""
+    from nanovllm.kernels import silu_and_mul as silu_and_mul_module
+    monkeypatch.setattr(silu_and_mul_module, "ROW_CHUNK", chunk)
+    x = (torch.randn(3, 2 * 2500, device=DEVICE) * 3).to(torch.float16)
+    x[1, 2400] = 40.0       # row 1's largest |y| in its last chunk
+    fused = silu_and_mul_quant(x, 2500)
+    assert_same_as_unfused(fused, *quantize_activation(silu_and_mul(x), 2500), torch.float16)
+    assert_near_twin(fused, silu_and_mul_quant_ref(x, 2500), 2500)
+
+
+def silu_quant_rows_ptxas_log(columns: int) -> str:
+    """ptxas's report on the per-token SiLU-and-quantize kernel built for sm_90a as silu_and_mul_quant
+    launches it for bfloat16 rows of `columns` (compiled without a GPU; outside the interpreter)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+    from nanovllm.kernels import silu_and_mul as module
+    from tests.test_int4_gemm import ptxas_report
+    kernel = module._silu_and_mul_quant_rows_kernel
+    index = {name: i for i, name in enumerate(kernel.arg_names)}
+    chunks = -(-columns // module.ROW_CHUNK)
+    constants = dict(CHUNK=module.ROW_CHUNK, NUM_CHUNKS=chunks, PDL=True)
+    signature = {name: "i32" for name in kernel.arg_names}
+    signature.update(x_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32", **{name: "constexpr" for name in constants})
+    source = ASTSource(kernel, signature, {(index[name],): v for name, v in constants.items()},
+                       attrs={(index[name],): [["tt.divisibility", 16]] for name in ("x_ptr", "q_ptr", "N")})
+    warps = 8 if chunks <= module.ROW_CHUNKS_PER_8_WARPS else 16
+    return ptxas_report(triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"])
+
+
+def test_silu_and_mul_quant_rows_stay_in_registers():
+    """Rows of 12,288 (Qwen3-8B), 14,336 (Llama 3 8B) and 25,600 columns (Qwen3-32B; 16 warps) held
+    whole by one program: built for sm_90a, nothing spills (a spilled row would go through local
+    memory, the pass over L2 that the one-pass kernel removes)."""
+    pytest.importorskip("triton")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    script = ("from tests.test_kernels_fp8_fused import silu_quant_rows_ptxas_log\n"
+              "print(*(silu_quant_rows_ptxas_log(n) for n in (12288, 14336, 25600)))")
+    log = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+    assert log.count("Compiling entry function '_silu_and_mul_quant_rows_kernel' for 'sm_90a'") == 3, log
+    assert log.count("0 bytes spill stores") == 3, log
 
 
 def test_twins_quantize_the_rounded_16_bit_output():

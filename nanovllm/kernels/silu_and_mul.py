@@ -26,10 +26,16 @@ def silu_and_mul_quant_ref(x: torch.Tensor, group_size: int) -> QuantizedActivat
 @triton.jit
 def _silu_and_mul(x_ptr, row, col, mask, N):
     """silu(gate) * up of one row's columns `col`, in the input dtype."""
-    gate = tl.load(x_ptr + row * 2 * N + col, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(x_ptr + row * 2 * N + col, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * 2 * N + N + col, mask=mask, other=0.0)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)     # round like torch's silu before the product
-    return silu * up
+    return _silu_times(gate, up)
+
+
+@triton.jit
+def _silu_times(gate, up):
+    """silu(gate) * up of loaded values, in up's dtype (silu rounded to it first, as torch's is)."""
+    g = gate.to(tl.float32)
+    return (g / (1.0 + tl.exp(-g))).to(up.dtype) * up
 
 
 @triton.jit
@@ -59,29 +65,38 @@ def _silu_and_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, N, NUM_GROUPS, GROUP: tl
 
 
 @triton.jit
-def _silu_and_mul_quant_rows_kernel(x_ptr, q_ptr, scale_ptr, N, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    """Per token: one program per row, in two passes of CHUNK columns at a time, the row's largest
-    |y|, then y again (its inputs now from L2) quantized. The whole row in registers at once (one
-    16-warp program per row, a quarter of its lanes padding at 12,288 columns) took 10.6 us for 240
-    rows on an H200 and 265 for 8,192; two passes 9.0 and 208 (silu_and_mul: 3.2 at 240 rows)."""
+def _silu_and_mul_quant_rows_kernel(x_ptr, q_ptr, scale_ptr, N, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+                                    PDL: tl.constexpr):
+    """Per token: one program per row, the whole row in registers as NUM_CHUNKS chunks of CHUNK
+    columns (one power-of-two block would pad 12,288 columns to 16,384): every chunk is loaded
+    before the row's largest |y| is known, then quantized from registers. On an H200 (12,288
+    columns, L2 cleared) 11.3 us at 240 rows and 153 at 8,192, against 15.2 and 209 for two passes
+    over the chunks, the second reading the inputs again (silu_and_mul alone: 9.5 and 150)."""
     wait_for_previous_kernel(PDL)
     start_next_kernel(PDL)
     row = tl.program_id(0)
+    gates, ups = (), ()
+    for c in tl.static_range(NUM_CHUNKS):     # every load first: all are in flight together
+        col = c * CHUNK + tl.arange(0, CHUNK)
+        gates = gates + (tl.load(x_ptr + row * 2 * N + col, mask=col < N, other=0.0),)
+        ups = ups + (tl.load(x_ptr + row * 2 * N + N + col, mask=col < N, other=0.0),)
     absmax = tl.zeros([CHUNK], dtype=tl.float32)
-    for start in range(0, N, CHUNK):
-        col = start + tl.arange(0, CHUNK)
-        absmax = tl.maximum(absmax, tl.abs(_silu_and_mul(x_ptr, row, col, col < N, N).to(tl.float32)))
+    chunks = ()
+    for c in tl.static_range(NUM_CHUNKS):
+        y = _silu_times(gates[c], ups[c]).to(tl.float32)
+        absmax = tl.maximum(absmax, tl.abs(y))
+        chunks = chunks + (y,)
     scale = activation_scale(tl.max(absmax, 0))
     tl.store(scale_ptr + row, scale)
-    for start in range(0, N, CHUNK):
-        col = start + tl.arange(0, CHUNK)
-        y = _silu_and_mul(x_ptr, row, col, col < N, N).to(tl.float32)
-        tl.store(q_ptr + row * N + col, e4m3_codes(y, scale).to(tl.float8e4nv), mask=col < N)
+    for c in tl.static_range(NUM_CHUNKS):
+        col = c * CHUNK + tl.arange(0, CHUNK)
+        tl.store(q_ptr + row * N + col, e4m3_codes(chunks[c], scale).to(tl.float8e4nv), mask=col < N)
 
 
-# columns a step and warps of a per-token program: the best of 1,024-4,096 by 4 or 8 at 64, 240 and
-# 8,192 rows of 12,288 columns on an H200 (2,048 by 8 was 1% faster at 240 rows, 12% slower at 8,192)
-ROW_CHUNK, ROW_WARPS = 4096, 8
+# Columns a chunk of a per-token program (4,096 by 8 warps won the two-pass kernel's sweep of 1,024-4,096
+# by 4 or 8 on an H200). Past ROW_CHUNKS_PER_8_WARPS chunks, 16 warps hold half the values a thread (built
+# for sm_90a, a 25,600-column row takes 86 registers against 143 at 8 warps; neither spills; untimed).
+ROW_CHUNK, ROW_CHUNKS_PER_8_WARPS = 4096, 4
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -104,8 +119,11 @@ def silu_and_mul_quant(x: torch.Tensor, group_size: int) -> QuantizedActivation:
     q = torch.empty(num_tokens, n, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(num_tokens, groups, dtype=torch.float32, device=x.device)
     if num_tokens and group_size >= n:
-        _silu_and_mul_quant_rows_kernel[(num_tokens,)](x, q, scales, n, CHUNK=min(ROW_CHUNK, triton.next_power_of_2(n)),
-                                                       num_warps=ROW_WARPS, **pdl_launch(x))
+        chunk = min(ROW_CHUNK, triton.next_power_of_2(n))
+        chunks = triton.cdiv(n, chunk)
+        _silu_and_mul_quant_rows_kernel[(num_tokens,)](x, q, scales, n, CHUNK=chunk, NUM_CHUNKS=chunks,
+                                                       num_warps=8 if chunks <= ROW_CHUNKS_PER_8_WARPS else 16,
+                                                       **pdl_launch(x))
     elif num_tokens:
         group, block = group_size, max(group_size, min(1024, triton.next_power_of_2(n)))
         _silu_and_mul_quant_kernel[(num_tokens, triton.cdiv(n, block))](
