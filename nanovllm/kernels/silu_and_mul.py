@@ -24,10 +24,16 @@ def silu_and_mul_quant_ref(x: torch.Tensor, group_size: int) -> QuantizedActivat
 
 
 @triton.jit
+def _gate_and_up(x_ptr, row, col, mask, N):
+    """One row's gate and up values at columns `col`."""
+    return (tl.load(x_ptr + row * 2 * N + col, mask=mask, other=0.0),
+            tl.load(x_ptr + row * 2 * N + N + col, mask=mask, other=0.0))
+
+
+@triton.jit
 def _silu_and_mul(x_ptr, row, col, mask, N):
     """silu(gate) * up of one row's columns `col`, in the input dtype."""
-    gate = tl.load(x_ptr + row * 2 * N + col, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * 2 * N + N + col, mask=mask, other=0.0)
+    gate, up = _gate_and_up(x_ptr, row, col, mask, N)
     return _silu_times(gate, up)
 
 
@@ -78,8 +84,8 @@ def _silu_and_mul_quant_rows_kernel(x_ptr, q_ptr, scale_ptr, N, CHUNK: tl.conste
     gates, ups = (), ()
     for c in tl.static_range(NUM_CHUNKS):     # every load first: all are in flight together
         col = c * CHUNK + tl.arange(0, CHUNK)
-        gates = gates + (tl.load(x_ptr + row * 2 * N + col, mask=col < N, other=0.0),)
-        ups = ups + (tl.load(x_ptr + row * 2 * N + N + col, mask=col < N, other=0.0),)
+        gate, up = _gate_and_up(x_ptr, row, col, col < N, N)
+        gates, ups = gates + (gate,), ups + (up,)
     absmax = tl.zeros([CHUNK], dtype=tl.float32)
     chunks = ()
     for c in tl.static_range(NUM_CHUNKS):
@@ -97,6 +103,13 @@ def _silu_and_mul_quant_rows_kernel(x_ptr, q_ptr, scale_ptr, N, CHUNK: tl.conste
 # by 4 or 8 on an H200). Past ROW_CHUNKS_PER_8_WARPS chunks, 16 warps hold half the values a thread (built
 # for sm_90a, a 25,600-column row takes 86 registers against 143 at 8 warps; neither spills; untimed).
 ROW_CHUNK, ROW_CHUNKS_PER_8_WARPS = 4096, 4
+
+
+def rows_launch(n: int) -> tuple[int, int, int]:
+    """The per-token kernel's chunk, chunk count and warps for rows of n columns."""
+    chunk = min(ROW_CHUNK, triton.next_power_of_2(n))
+    chunks = triton.cdiv(n, chunk)
+    return chunk, chunks, 8 if chunks <= ROW_CHUNKS_PER_8_WARPS else 16
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -119,11 +132,9 @@ def silu_and_mul_quant(x: torch.Tensor, group_size: int) -> QuantizedActivation:
     q = torch.empty(num_tokens, n, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(num_tokens, groups, dtype=torch.float32, device=x.device)
     if num_tokens and group_size >= n:
-        chunk = min(ROW_CHUNK, triton.next_power_of_2(n))
-        chunks = triton.cdiv(n, chunk)
+        chunk, chunks, warps = rows_launch(n)
         _silu_and_mul_quant_rows_kernel[(num_tokens,)](x, q, scales, n, CHUNK=chunk, NUM_CHUNKS=chunks,
-                                                       num_warps=8 if chunks <= ROW_CHUNKS_PER_8_WARPS else 16,
-                                                       **pdl_launch(x))
+                                                       num_warps=warps, **pdl_launch(x))
     elif num_tokens:
         group, block = group_size, max(group_size, min(1024, triton.next_power_of_2(n)))
         _silu_and_mul_quant_kernel[(num_tokens, triton.cdiv(n, block))](
