@@ -117,15 +117,20 @@ def ptxas_report(ptx: str) -> str:
     return run.stdout + run.stderr
 
 
+def compiled_in_child(script: str) -> str:
+    """What a child Python running `script` from the repository root prints: kernels are built there
+    outside Triton's interpreter, which this process may have switched on."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+
+
 def test_hopper_build_keeps_the_products_in_flight():
     """ptxas may serialize wgmma (each product waits for the one before): it did for every launch
     while the K loop could run zero times (the sums' zeros set again on the path around it)."""
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    script = ("from tests.test_int4_gemm import CONFIG, FEW_ROWS_CONFIG, SMALL_CONFIG, hopper_ptxas_log\n"
-              "print(hopper_ptxas_log(CONFIG, False), hopper_ptxas_log(FEW_ROWS_CONFIG, True), "
-              "hopper_ptxas_log(SMALL_CONFIG, True))")
-    log = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+    log = compiled_in_child("from tests.test_int4_gemm import CONFIG, FEW_ROWS_CONFIG, SMALL_CONFIG, hopper_ptxas_log\n"
+                            "print(hopper_ptxas_log(CONFIG, False), hopper_ptxas_log(FEW_ROWS_CONFIG, True), "
+                            "hopper_ptxas_log(SMALL_CONFIG, True))")
     assert log.count("Compiling entry function '_int4_gemm_kernel' for 'sm_90a'") == 3, log
     assert "C7515" not in log and "serialized" not in log, log
     assert log.count("0 bytes spill stores") == 3, log

@@ -4,10 +4,7 @@ left zero; built for sm_90a without a GPU, ptxas keeps its products in flight, s
 stays within a Hopper program's shared memory; the weight-only layer sends two rows and more to it on
 Hopper."""
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +12,7 @@ import torch
 from nanovllm.kernels import int4_gemm_hopper as hopper
 from nanovllm.kernels.int4_gemm import dequantize_asm
 from nanovllm.kernels.int_gemm import int_gemm_ref
-from tests.test_int4_gemm import ptxas_report
+from tests.test_int4_gemm import compiled_in_child, ptxas_report
 from tests.test_int4_gemv import (DEVICE, assert_layer_routes, assert_splits_leave_the_workspace_zero, awq_layer,
                                   tolerance)
 
@@ -105,13 +102,10 @@ def hopper_ptxas_log(split: bool, block_m: int = hopper.BLOCK_M, extra_m: int = 
 
 @pytest.mark.skipif(not hopper.HAS_GLUON, reason="needs Triton's Gluon")
 def test_hopper_build_keeps_the_products_in_flight():
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    script = ("from tests.test_int4_gemm_hopper import hopper_ptxas_log\n"
-              "print(*(hopper_ptxas_log(split, *tile) for tile, split in (((8, 0), True), ((16, 0), True),"
-              " ((32, 0), True), ((64, 0), True), ((128, 0), False), ((128, 0), True), ((128, 32), False),"
-              " ((128, 32), True))))")
-    log = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+    log = compiled_in_child("from tests.test_int4_gemm_hopper import hopper_ptxas_log\n"
+                            "print(*(hopper_ptxas_log(split, *tile) for tile, split in (((8, 0), True), ((16, 0), True),"
+                            " ((32, 0), True), ((64, 0), True), ((128, 0), False), ((128, 0), True), ((128, 32), False),"
+                            " ((128, 32), True))))")
     assert log.count("Compiling entry function '_int4_gemm_hopper_kernel' for 'sm_90a'") == 8, log
     assert "C751" not in log and "serialized" not in log, log
     assert log.count("0 bytes spill stores") == 8, log

@@ -11,10 +11,6 @@ differ by an ulp (rsqrt, exp and the order of the sum of squares differ between 
 in tests/test_kernels.py), which moves a code by at most one e4m3 step and a scale by at most one
 16-bit ulp of the row's maximum (compared within two).
 """
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -22,6 +18,7 @@ from nanovllm.kernels.fp8_primitives import FP8_DTYPE
 from nanovllm.kernels.fp8_linear import QuantizedActivation, dequantize_ref, quantize_activation
 from nanovllm.kernels.rms_norm import rms_norm, rms_norm_quant, rms_norm_quant_ref, rms_norm_ref
 from nanovllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_quant, silu_and_mul_quant_ref
+from tests.test_int4_gemm import compiled_in_child
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -148,13 +145,12 @@ def silu_quant_rows_ptxas_log(columns: int) -> str:
     from tests.test_int4_gemm import ptxas_report
     kernel = module._silu_and_mul_quant_rows_kernel
     index = {name: i for i, name in enumerate(kernel.arg_names)}
-    chunks = -(-columns // module.ROW_CHUNK)
-    constants = dict(CHUNK=module.ROW_CHUNK, NUM_CHUNKS=chunks, PDL=True)
+    chunk, chunks, warps = module.rows_launch(columns)
+    constants = dict(CHUNK=chunk, NUM_CHUNKS=chunks, PDL=True)
     signature = {name: "i32" for name in kernel.arg_names}
     signature.update(x_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32", **{name: "constexpr" for name in constants})
     source = ASTSource(kernel, signature, {(index[name],): v for name, v in constants.items()},
                        attrs={(index[name],): [["tt.divisibility", 16]] for name in ("x_ptr", "q_ptr", "N")})
-    warps = 8 if chunks <= module.ROW_CHUNKS_PER_8_WARPS else 16
     return ptxas_report(triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"])
 
 
@@ -163,11 +159,8 @@ def test_silu_and_mul_quant_rows_stay_in_registers():
     whole by one program: built for sm_90a, nothing spills (a spilled row would go through local
     memory, the pass over L2 that the one-pass kernel removes)."""
     pytest.importorskip("triton")
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    script = ("from tests.test_kernels_fp8_fused import silu_quant_rows_ptxas_log\n"
-              "print(*(silu_quant_rows_ptxas_log(n) for n in (12288, 14336, 25600)))")
-    log = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+    log = compiled_in_child("from tests.test_kernels_fp8_fused import silu_quant_rows_ptxas_log\n"
+                            "print(*(silu_quant_rows_ptxas_log(n) for n in (12288, 14336, 25600)))")
     assert log.count("Compiling entry function '_silu_and_mul_quant_rows_kernel' for 'sm_90a'") == 3, log
     assert log.count("0 bytes spill stores") == 3, log
 
