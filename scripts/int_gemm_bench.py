@@ -16,6 +16,7 @@ overflow the L2 cache, so every call reads its weights from memory, as in a deco
     PYTHONPATH=. python scripts/int_gemm_bench.py --gemv       # the GEMVs at M = 1, 2, 4, 8, 16
     PYTHONPATH=. python scripts/int_gemm_bench.py --gemv --sweep --batch 1 16   # their launch shapes too
     PYTHONPATH=. python scripts/int_gemm_bench.py --w8a8       # float8 GEMMs at decode batch sizes
+    PYTHONPATH=. python scripts/int_gemm_bench.py --w8a8 --sweep --batch 16 64 256   # their transposed tiles too
     PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemv  # the 4-bit GEMV at M = 1, 2, 4, 8, 16
     PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemv --sweep --batch 1 16   # its launch shapes too
     PYTHONPATH=. python scripts/int_gemm_bench.py --int4-gemv --sweep --batch 32 64 128 256   # tiles of more rows
@@ -48,12 +49,13 @@ import torch.nn.functional as F
 from nanovllm.kernels import fp8_gemv as fp8_gemv_module
 from nanovllm.kernels.fp8_primitives import FP8_DTYPE, QuantizedActivation
 from nanovllm.kernels.fp8_gemv import GemvConfig, fp8_gemv, fp8_gemv_ref
-from nanovllm.kernels.fp8_linear import fp8_matmul, quantize_activation, scaled_mm_per_channel
+from nanovllm.kernels.fp8_linear import GemmTile, fp8_matmul, quantize_activation, scaled_mm_per_channel
 from nanovllm.kernels import int4_gemv as int4_gemv_module
 from nanovllm.kernels.int4_gemm import Int4GemmConfig, int4_gemm
 from nanovllm.kernels.int4_gemv import Int4GemvConfig, int4_gemv
 from nanovllm.kernels.int_dequantize import dequantized_matmul
 from nanovllm.kernels.int_gemm import DECODE_CONFIG, SWAPPED_CONFIGS, LaunchConfig, int_gemm, int_gemm_ref
+from nanovllm.kernels.triton_compat import triton
 from nanovllm.quantization.fp8 import GEMV_MAX_ROWS, Fp8LinearMethod
 from nanovllm.quantization.int_packing import awq_for_gemm, dequantize_awq
 from nanovllm.quantization.weight_only import WeightOnlyIntMethod
@@ -248,11 +250,24 @@ def gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> Non
           f"PROGRAMS_PER_SM {fp8_gemv_module.PROGRAMS_PER_SM}; GEMV_MAX_ROWS {GEMV_MAX_ROWS}")
 
 
+def fp8_decode_candidates(m: int) -> list[GemmTile]:
+    """Transposed float8 tiles for m tokens, K split 1-6: up to 128 tokens the tokens rounded up to a
+    power of two by 64 or 128 features; past 128, tiles of 128 and of 256 tokens."""
+    shapes = [(64, 4, 3), (64, 4, 5), (64, 4, 7), (128, 8, 4)]    # (features, warps, stages)
+    if m <= 128:
+        tiles = [(max(16, triton.next_power_of_2(m)), *shape) for shape in shapes]
+    else:
+        tiles = [(128, *shape) for shape in shapes] + [(256, 64, 8, 5), (256, 128, 8, 4)]
+    return [GemmTile(block_m, block_n, 128, warps, stages, split, True)
+            for block_m, block_n, warps, stages in tiles for split in (1, 2, 3, 4, 6)]
+
+
 def w8a8_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> None:
-    """The GEMM an FP8 layer runs after quantizing (its method's route) against the routes it chooses between."""
+    """The GEMM an FP8 layer runs after quantizing (its method's route) against the routes it chooses
+    between; --sweep adds the best transposed tiles (fp8_decode_candidates) per-channel."""
     totals = {}
     print(f"{'format':12} {'layer':13} {'M':>4} {'chosen us':>11} {'TB/s':>5} {'_scaled_mm us':>13} "
-          f"{'Triton us':>9} {'quantize us':>11}")
+          f"{'Triton us':>9} {'quantize us':>11}  best sweep")
     for name, (k, n) in shapes.items():
         for fmt, group in (("fp8 channel", None), ("fp8 block", 128)):
             layers = copies_beyond_l2(lambda: random_fp8_layer(k, n, group), n * k)
@@ -263,15 +278,28 @@ def w8a8_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -> Non
                 t = {"gemm": graph_time([lambda l=l: chosen_gemm(x_q, x_s, l[0], l[1], g, x.dtype) for l in layers]),
                      "triton": graph_time([lambda l=l: fp8_matmul(x_q, x_s, l[0], l[1], g, x.dtype) for l in layers]),
                      "quantize": graph_time([lambda: quantize_activation(x, g)] * 8)}
+                best = ""
                 if group is None:
                     t["scaled_mm"] = graph_time([lambda l=l: scaled_mm_per_channel(x_q, x_s, l[0], l[1], x.dtype)
                                                  for l in layers])
+                if group is None and args.sweep:
+                    w, s = layers[0]
+                    ref = fp8_matmul(x_q, x_s, w, s, g, x.dtype).float()
+                    timed = []
+                    for tile in fp8_decode_candidates(m):
+                        out = fp8_matmul(x_q, x_s, w, s, g, x.dtype, tile=tile).float()
+                        assert (out - ref).abs().max() <= 2e-2 * ref.abs().max(), (name, m, tile)
+                        timed.append((graph_time([lambda l=l: fp8_matmul(x_q, x_s, l[0], l[1], g, x.dtype, tile=tile)
+                                                  for l in layers]), tile))
+                    timed.sort(key=lambda timing: timing[0])
+                    t["best"] = timed[0][0]
+                    best = ", ".join(f"{v * 1e6:.1f} us {tuple(tile)[:2] + tuple(tile)[3:6]}" for v, tile in timed[:6])
                 for key, v in t.items():
                     totals.setdefault((fmt, m), {}).setdefault(key, 0.0)
                     totals[(fmt, m)][key] += v
                 scaled = f"{t['scaled_mm'] * 1e6:13.1f}" if "scaled_mm" in t else f"{'':13}"
                 print(f"{fmt:12} {name:13} {m:4d} {t['gemm'] * 1e6:11.1f} {n * k / t['gemm'] / 1e12:5.2f} {scaled} "
-                      f"{t['triton'] * 1e6:9.1f} {t['quantize'] * 1e6:11.1f}", flush=True)
+                      f"{t['triton'] * 1e6:9.1f} {t['quantize'] * 1e6:11.1f}  {best}", flush=True)
             del layers
             torch.cuda.empty_cache()
     for (fmt, m), t in sorted(totals.items()):

@@ -130,6 +130,28 @@ def test_tiles_match_twin(dtype, m, n, k, group, bias, tile):
     assert_close_to_twin(y, fp8_matmul_ref(x_q, x_s, w_q, w_s, group, dtype, b))
 
 
+def test_split_k_leaves_its_workspace_zero():
+    """The last K split of each tile adds the splits' sums, writes the output and sets the tile's
+    arrival count back to zero, so the next call (another shape, then the first again) starts from
+    zeros; the shared float32 workspace stays untouched."""
+    from nanovllm.kernels.zeroed_workspace import zeroed_workspace
+    dtype = DTYPES[0]
+    small, large = gemm_case(dtype, 5, 96, 384, 128, True, 1), gemm_case(dtype, 37, 160, 512, 512, False, 2)
+    workspace_is_zero = lambda: not any(zeroed_workspace(small[0].device, kind, 0).any()
+                                        for kind in (torch.float32, torch.int32))
+
+    def both(x, w_q, w_s, b, group, tile):
+        x_q, x_s = quantize_activation_ref(x, group)
+        return (fp8_matmul(x_q, x_s, w_q, w_s, group, dtype, b, tile),
+                fp8_matmul_ref(x_q, x_s, w_q, w_s, group, dtype, b))
+    first, ref = both(*small, 128, GemmTile(16, 32, 128, 4, 2, 3, True))
+    assert_close_to_twin(first, ref)
+    assert workspace_is_zero()
+    assert_close_to_twin(*both(*large, 512, GemmTile(16, 64, 128, 4, 2, 4, True)))
+    assert workspace_is_zero()
+    assert torch.equal(both(*small, 128, GemmTile(16, 32, 128, 4, 2, 3, True))[0], first)
+
+
 @pytest.mark.parametrize("m, n, group", [
     (40, 512, 128),     # one wave of 64-feature programs over 64 tokens
     (128, 256, 128),    # a grid of half a wave at 128 tokens: 64 tokens a program
@@ -148,12 +170,15 @@ def test_every_decode_tile_matches_twin(m, n, group):
 
 
 def test_decode_tile_on_an_h100():
-    """The tiles of the 8B projections' sweep on 132 SMs (which batches take them is the FP8 method's
+    """The tiles of the 8B projections' sweeps on 132 SMs (which batches take them is the FP8 method's
     route: tests/test_quantization_fp8_routes.py)."""
-    assert decode_tile(64, 4096, 132) == GemmTile(64, 64, 128, 4, 5, 1, True)       # one wave
-    assert decode_tile(256, 4096, 132) == GemmTile(128, 64, 128, 4, 5, 1, True)
-    assert decode_tile(256, 6144, 132) == GemmTile(128, 128, 128, 8, 5, 1, True)    # 128 features: one wave
-    assert decode_tile(128, 24576, 132) == GemmTile(128, 64, 128, 4, 3, 1, True)    # several waves
+    assert decode_tile(8, 4096, 132) == GemmTile(16, 64, 128, 4, 7, 2, True)      # 64 tiles: K split in two
+    assert decode_tile(100, 4096, 132) == GemmTile(128, 64, 128, 4, 7, 2, True)
+    assert decode_tile(64, 6144, 132) == GemmTile(64, 64, 128, 4, 7, 1, True)     # 96 tiles: no split
+    assert decode_tile(32, 24576, 132) == GemmTile(32, 64, 128, 4, 5, 1, True)    # several waves
+    assert decode_tile(128, 24576, 132) == GemmTile(128, 64, 128, 4, 3, 1, True)
+    assert decode_tile(256, 4096, 132) == GemmTile(128, 64, 128, 4, 5, 1, True)   # one wave past 128 tokens
+    assert decode_tile(256, 6144, 132) == GemmTile(128, 128, 128, 8, 5, 1, True)  # 128 features: one wave
     assert decode_tile(256, 24576, 132) == MULTI_WAVE_TILE == GemmTile(256, 64, 128, 8, 5, 1, True)
 
 

@@ -3,7 +3,8 @@ nanovllm/quantization/fp8.py), for each weight layout, row count, device and dty
 
 The tables are the routes of the code before the choice moved out of nanovllm/kernels/fp8_linear.py
 (`fp8_linear`, `takes_gemv`, `fp8_gemm` and `decode_tile` at b0139b2), worked out by reading it and
-written here literally, so a change of route shows up as a change of this file. The device is faked
+written here literally, so a change of route shows up as a change of this file; the transposed tiles
+of up to 128 rows are those of the 2026-12-03 sweep (split K, seven stages). The device is faked
 (the CPU has none), so the choice is read without running a GPU kernel; the last test checks that
 `apply` runs the chosen kernel with the chosen tile.
 """
@@ -24,13 +25,19 @@ INPUTS = 256    # two 128-column blocks: block scales have two groups a row (the
 GEMV, GEMM, SCALED_MM, TWIN = Fp8Route("gemv"), Fp8Route("gemm"), Fp8Route("scaled_mm"), Fp8Route("twin")
 
 
-def transposed(block_m: int, block_n: int, num_warps: int, num_stages: int) -> Fp8Route:
-    return Fp8Route("transposed", GemmTile(block_m, block_n, 128, num_warps, num_stages, 1, True))
+def transposed(block_m: int, block_n: int, num_warps: int, num_stages: int, split_k: int = 1) -> Fp8Route:
+    return Fp8Route("transposed", GemmTile(block_m, block_n, 128, num_warps, num_stages, split_k, True))
 
 
-T64_5, T128_5, T128x128, T64_3, T128_3 = (transposed(64, 64, 4, 5), transposed(128, 64, 4, 5),
-                                          transposed(128, 128, 8, 5), transposed(64, 64, 4, 3),
-                                          transposed(128, 64, 4, 3))
+# Up to 128 rows, 64 features by the rows rounded up to a power of two: 4096 features (64 tiles on an
+# H100's 132 SMs) split K in two, 6144 do not, both in seven stages; 24576 (several waves) in five
+# stages up to 32 rows, three above
+O16, O32, O64, O128 = (transposed(rows, 64, 4, 7, 2) for rows in (16, 32, 64, 128))
+Q16, Q32, Q64, Q128 = (transposed(rows, 64, 4, 7) for rows in (16, 32, 64, 128))
+G16, G32, G64, G128 = transposed(16, 64, 4, 5), transposed(32, 64, 4, 5), transposed(64, 64, 4, 3), \
+    transposed(128, 64, 4, 3)
+# past 128 rows
+T128_5, T128x128 = transposed(128, 64, 4, 5), transposed(128, 128, 8, 5)
 T256 = transposed(256, 64, 8, 5)
 assert T256.tile == MULTI_WAVE_TILE
 
@@ -48,14 +55,14 @@ ROWS = (1, 2, 8, 16, 17, 32, 64, 128, 192, 193, 256, 257, 1024)
 # 6144, gate_up_proj 24576): features -> {rows: (per-row dynamic, per-tensor static, block)}
 H100_BF16 = {
     4096: {
-        1: (GEMV, T64_5, GEMV),
-        2: (T64_5, T64_5, GEMM),
-        8: (T64_5, T64_5, GEMM),
-        16: (T64_5, T64_5, GEMM),
-        17: (T64_5, T64_5, T64_5),
-        32: (T64_5, T64_5, T64_5),
-        64: (T64_5, T64_5, T64_5),
-        128: (T64_5, T64_5, T64_5),
+        1: (GEMV, O16, GEMV),
+        2: (O16, O16, GEMM),
+        8: (O16, O16, GEMM),
+        16: (O16, O16, GEMM),
+        17: (O32, O32, O32),
+        32: (O32, O32, O32),
+        64: (O64, O64, O64),
+        128: (O128, O128, O128),
         192: (T128_5, T128_5, T128_5),
         193: (T128_5, T128_5, T128_5),
         256: (T128_5, T128_5, T128_5),
@@ -63,14 +70,14 @@ H100_BF16 = {
         1024: (SCALED_MM, SCALED_MM, GEMM),
     },
     6144: {
-        1: (GEMV, T64_5, GEMV),
-        2: (T64_5, T64_5, GEMM),
-        8: (T64_5, T64_5, GEMM),
-        16: (T64_5, T64_5, GEMM),
-        17: (T64_5, T64_5, T64_5),
-        32: (T64_5, T64_5, T64_5),
-        64: (T64_5, T64_5, T64_5),
-        128: (T128_5, T128_5, T128_5),
+        1: (GEMV, Q16, GEMV),
+        2: (Q16, Q16, GEMM),
+        8: (Q16, Q16, GEMM),
+        16: (Q16, Q16, GEMM),
+        17: (Q32, Q32, Q32),
+        32: (Q32, Q32, Q32),
+        64: (Q64, Q64, Q64),
+        128: (Q128, Q128, Q128),
         192: (T128x128, T128x128, T128x128),
         193: (T128x128, T128x128, T128x128),
         256: (T128x128, T128x128, T128x128),
@@ -78,14 +85,14 @@ H100_BF16 = {
         1024: (SCALED_MM, SCALED_MM, GEMM),
     },
     24576: {
-        1: (GEMV, T64_3, GEMV),
-        2: (T64_3, T64_3, GEMM),
-        8: (T64_3, T64_3, GEMM),
-        16: (T64_3, T64_3, GEMM),
-        17: (T64_3, T64_3, T64_3),
-        32: (T64_3, T64_3, T64_3),
-        64: (T64_3, T64_3, T64_3),
-        128: (T128_3, T128_3, T128_3),
+        1: (GEMV, G16, GEMV),
+        2: (G16, G16, GEMM),
+        8: (G16, G16, GEMM),
+        16: (G16, G16, GEMM),
+        17: (G32, G32, G32),
+        32: (G32, G32, G32),
+        64: (G64, G64, G64),
+        128: (G128, G128, G128),
         192: (T256, T256, T256),
         193: (SCALED_MM, SCALED_MM, T256),
         256: (SCALED_MM, SCALED_MM, T256),
@@ -97,23 +104,23 @@ H100_BF16 = {
 # (per-row dynamic, per-tensor static, block)
 OTHER_CONDITIONS = {
     # float16: no _scaled_mm (bfloat16 only), the GEMV and the transposed tiles as in bfloat16
-    (4096, 1, torch.float16, H100, False): (GEMV, T64_5, GEMV),
+    (4096, 1, torch.float16, H100, False): (GEMV, O16, GEMV),
     (4096, 256, torch.float16, H100, False): (T128_5, T128_5, T128_5),
     (4096, 257, torch.float16, H100, False): (GEMM, GEMM, GEMM),
     (24576, 256, torch.float16, H100, False): (GEMM, GEMM, T256),
     # float32: no GEMV, no _scaled_mm
-    (4096, 1, torch.float32, H100, False): (T64_5, T64_5, GEMM),
+    (4096, 1, torch.float32, H100, False): (O16, O16, GEMM),
     (4096, 1024, torch.float32, H100, False): (GEMM, GEMM, GEMM),
-    # an A100 (108 SMs, no _scaled_mm): tiles for its grid
-    (4096, 1, torch.bfloat16, A100, False): (GEMV, T64_5, GEMV),
-    (4096, 128, torch.bfloat16, A100, False): (T128_5, T128_5, T128_5),
-    (6144, 128, torch.bfloat16, A100, False): (T128_5, T128_5, T128_5),
+    # an A100 (108 SMs, no _scaled_mm): tiles for its grid (64 tiles split in round(108 / 64) = 2, 96 in 1)
+    (4096, 1, torch.bfloat16, A100, False): (GEMV, O16, GEMV),
+    (4096, 128, torch.bfloat16, A100, False): (O128, O128, O128),
+    (6144, 128, torch.bfloat16, A100, False): (Q128, Q128, Q128),
     (6144, 256, torch.bfloat16, A100, False): (T128x128, T128x128, T128x128),
     (24576, 256, torch.bfloat16, A100, False): (GEMM, GEMM, T256),
     (4096, 1024, torch.bfloat16, A100, False): (GEMM, GEMM, GEMM),
     # a QuantizedActivation (from the RMSNorm or SiLU-and-mul before the layer) never takes the GEMV
-    (4096, 1, torch.bfloat16, H100, True): (T64_5, T64_5, GEMM),
-    (4096, 64, torch.bfloat16, H100, True): (T64_5, T64_5, T64_5),
+    (4096, 1, torch.bfloat16, H100, True): (O16, O16, GEMM),
+    (4096, 64, torch.bfloat16, H100, True): (O64, O64, O64),
     (24576, 256, torch.bfloat16, H100, True): (SCALED_MM, SCALED_MM, T256),
     (4096, 1024, torch.bfloat16, H100, True): (SCALED_MM, SCALED_MM, GEMM),
 }

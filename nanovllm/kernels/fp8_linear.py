@@ -29,6 +29,7 @@ import torch
 from nanovllm.kernels.fp8_primitives import (FP8_DTYPE, QuantizedActivation, dequantize_ref, num_groups,
                                              quantize_activation_ref)
 from nanovllm.kernels.triton_compat import INTERPRETED, pdl_launch, start_next_kernel, tl, triton, wait_for_previous_kernel
+from nanovllm.kernels.zeroed_workspace import zeroed_workspace
 
 
 def fp8_matmul_ref(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
@@ -124,12 +125,13 @@ class GemmTile(NamedTuple):
     block_k: int            # input columns per step (a divisor of the group with per-group scales)
     num_warps: int
     num_stages: int
-    split_k: int = 1        # programs sharing one tile's K range (float32 partial sums, atomic adds)
+    split_k: int = 1        # programs sharing one tile's K range (float32 sums, one slice each)
     swapped: bool = False   # computed as out^T = w @ x^T
 
 
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K, NUM_GROUPS, GROUP, K_PER_SPLIT,
+def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, M, N, K,
+                     NUM_GROUPS, GROUP, K_PER_SPLIT,
                      HAS_BIAS: tl.constexpr, PER_GROUP: tl.constexpr, SPLIT: tl.constexpr, SWAPPED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One tile of tokens x output features over one K range. SWAPPED: the tile is computed as
@@ -175,13 +177,23 @@ def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K,
     if HAS_BIAS:    # added once: by the first K split
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
-    out = out_ptr + rows[:, None] * N + cols[None, :]
+    offsets = rows[:, None] * N + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT:
-        # relaxed: the sums are read only after this kernel ends (the default, acq_rel, fences each add)
-        tl.atomic_add(out, acc, mask=mask, sem="relaxed")
+        # each K split stores its float32 sums in its own slice; the last of a tile's splits to arrive
+        # adds the slices and writes the output, and leaves its arrival count at zero for the next call.
+        # (Atomic adds into one set of sums gave wrong tiles now and then on an H200 at three stages.)
+        tl.store(partial_ptr + pid_k * M * N + offsets, acc, mask=mask)
+        tl.debug_barrier()     # every thread's sums are stored before the tile counts this program as arrived
+        arrivals = arrivals_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(arrivals, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+            total = tl.zeros_like(acc)
+            for split in range(tl.num_programs(2)):   # .cg: read from L2, where the other SMs' stores landed
+                total += tl.load(partial_ptr + split * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(arrivals, 0)
     else:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # The transposed tile of grids that take several waves past 128 tokens: 256 tokens a program.
@@ -190,18 +202,25 @@ MULTI_WAVE_TILE = GemmTile(256, 64, 128, 8, 5, swapped=True)
 
 def decode_tile(m: int, n: int, sms: int) -> GemmTile:
     """The transposed tile for a decode batch of m tokens (up to 256) and n output features on `sms`
-    SMs. From a sweep of the Qwen3-8B projections at 64-256 tokens on one H100 (docs/benchmarks.md):
-    64 features by 64 or 128 tokens with five stages while the grid fits one wave, 128 features when
-    that keeps it in one wave; grids of several waves (gate_up) want three stages, or 256 tokens a
-    program past 128 tokens (MULTI_WAVE_TILE)."""
+    SMs, from sweeps of the Qwen3-8B projections (docs/benchmarks.md). Up to 128 tokens the weight's
+    bytes set the time: 64 features by the tokens rounded up to a power of two, seven stages and K
+    split to about one program per SM where the features alone make fewer (down_proj at 8-128
+    tokens 16-21 against 24-27 us unsplit in five stages, H200); grids of several waves (gate_up)
+    take five stages up to 32 tokens, three above. Past 128 tokens (H100): 64 features by 128 tokens
+    (64 where that leaves half the SMs idle) while the grid fits one wave, 128 features when that
+    keeps it in one wave, else MULTI_WAVE_TILE."""
+    if m <= 128:
+        block_m = max(16, triton.next_power_of_2(m))
+        tiles = triton.cdiv(n, 64)
+        if tiles <= sms:
+            return GemmTile(block_m, 64, 128, 4, 7, max(1, round(sms / tiles)), swapped=True)
+        return GemmTile(block_m, 64, 128, 4, 5 if block_m <= 32 else 3, swapped=True)
     programs = lambda block_n, block_m: triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    block_m = 64 if m <= 64 or programs(64, 128) <= sms // 2 else 128
+    block_m = 64 if programs(64, 128) <= sms // 2 else 128
     if programs(64, block_m) <= sms:
         return GemmTile(block_m, 64, 128, 4, 5, swapped=True)
     if programs(128, block_m) <= sms:
         return GemmTile(block_m, 128, 128, 8, 5, swapped=True)
-    if m <= 128:
-        return GemmTile(block_m, 64, 128, 4, 3, swapped=True)
     return MULTI_WAVE_TILE
 
 
@@ -230,17 +249,21 @@ def fp8_matmul(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: tor
         block_k = min(block_k, group_size)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
-    out = torch.zeros(m, n, dtype=torch.float32, device=x_q.device) if split_k > 1 else \
-        torch.empty(m, n, dtype=out_dtype, device=x_q.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     if m == 0:
-        return out.to(out_dtype)
+        return out
     tiles = (triton.cdiv(n, block_n), triton.cdiv(m, block_m)) if swapped else \
         (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _fp8_gemm_kernel[(*tiles, split_k)](x_q, x_s, w_q, w_s, bias if bias is not None else w_s, out, m, n, k, groups,
-                                        group_size, k_per_split, HAS_BIAS=bias is not None, PER_GROUP=per_group,
-                                        SPLIT=split_k > 1, SWAPPED=swapped, BLOCK_M=block_m, BLOCK_N=block_n,
-                                        BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_launch(x_q))
-    return out.to(out_dtype) if split_k > 1 else out
+    grid = (*tiles, split_k)
+    partial, arrivals = out, out   # unused unless K is split
+    if split_k > 1:
+        partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x_q.device)
+        arrivals = zeroed_workspace(x_q.device, torch.int32, tiles[0] * tiles[1])   # the kernel leaves it zero
+    _fp8_gemm_kernel[grid](x_q, x_s, w_q, w_s, bias if bias is not None else w_s, out, partial, arrivals, m, n, k,
+                           groups, group_size, k_per_split, HAS_BIAS=bias is not None, PER_GROUP=per_group,
+                           SPLIT=split_k > 1, SWAPPED=swapped, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                           num_warps=warps, num_stages=stages, **pdl_launch(x_q))
+    return out
 
 
 def scaled_mm_per_channel(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
