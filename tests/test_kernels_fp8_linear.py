@@ -1,5 +1,7 @@
 """The float8 linear kernels against their torch twins (Triton's interpreter on the CPU in
 float32/float16; bfloat16 on CUDA), and the twins against plain float math."""
+import re
+
 import pytest
 import torch
 
@@ -180,6 +182,43 @@ def test_decode_tile_on_an_h100():
     assert decode_tile(256, 4096, 132) == GemmTile(128, 64, 128, 4, 5, 1, True)   # one wave past 128 tokens
     assert decode_tile(256, 6144, 132) == GemmTile(128, 128, 128, 8, 5, 1, True)  # 128 features: one wave
     assert decode_tile(256, 24576, 132) == MULTI_WAVE_TILE == GemmTile(256, 64, 128, 8, 5, 1, True)
+
+
+def decode_tiles_ptxas_log() -> str:
+    """Every tile decode_tile gives the 8B projections on 132 SMs, built for sm_90a as fp8_matmul
+    launches it for bfloat16 output (no GPU needed; outside the interpreter, so the test runs this in
+    a child): ptxas's report and the shared memory each launch asks for."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+    from nanovllm.kernels.fp8_linear import _fp8_gemm_kernel as kernel
+    from tests.test_int4_gemm import ptxas_report
+    index = {name: i for i, name in enumerate(kernel.arg_names)}
+    log = ""
+    for tile in sorted({decode_tile(rows, n, 132) for n in (4096, 6144, 24576) for rows in (1, 17, 33, 65, 129, 256)}):
+        constants = dict(HAS_BIAS=False, PER_GROUP=False, SPLIT=tile.split_k > 1, SWAPPED=True, BLOCK_M=tile.block_m,
+                         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PDL=True)
+        signature = {name: "i32" for name in kernel.arg_names}
+        signature.update(a_ptr="*fp8e4nv", a_s_ptr="*fp32", w_ptr="*fp8e4nv", w_s_ptr="*fp32", bias_ptr="*fp32",
+                         out_ptr="*bf16", partial_ptr="*fp32", arrivals_ptr="*i32", **{name: "constexpr" for name in constants})
+        aligned = ["a_ptr", "w_ptr", "out_ptr", "partial_ptr", "N", "K", "K_PER_SPLIT"]
+        source = ASTSource(kernel, signature, {(index[name],): v for name, v in constants.items()},
+                           attrs={(index[name],): [["tt.divisibility", 16]] for name in aligned})
+        build = triton_compile(source, target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": tile.num_warps, "num_stages": tile.num_stages})
+        log += ptxas_report(build.asm["ptx"]) + f"{tuple(tile)} shared memory: {build.metadata.shared} bytes\n"
+    return log
+
+
+def test_decode_tiles_build_for_hopper():
+    """Seven stages of 128 tokens (and five of 256) must fit a Hopper program's 227 KiB of shared
+    memory, without spills or serialized products."""
+    from tests.test_int4_gemm import compiled_in_child
+    log = compiled_in_child("from tests.test_kernels_fp8_linear import decode_tiles_ptxas_log\n"
+                            "print(decode_tiles_ptxas_log())")
+    builds = log.count("Compiling entry function '_fp8_gemm_kernel' for 'sm_90a'")
+    assert builds >= 10 and log.count("0 bytes spill stores") == builds, log
+    assert "C751" not in log and "serialized" not in log, log
+    assert max(int(size) for size in re.findall(r"shared memory: (\d+) bytes", log)) <= 227 * 1024, log
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the FP8 method's CUDA routes (the CPU runs the twins)")
