@@ -83,26 +83,32 @@ def test_launch_choice():
     assert FEW_ROWS_CONFIG.block_n == FEW_ROWS_CONFIG.block_m == 64 and CONFIG.block_n == CONFIG.block_m == 128
 
 
-def hopper_ptxas_log(config: Int4GemmConfig, split: bool) -> str:
-    """ptxas's report on _int4_gemm_kernel built for sm_90a as int4_gemm launches it for bfloat16
-    (Triton compiles for a target without a GPU and its own ptxas assembles; outside the interpreter,
-    so the test runs this in a child process)."""
+def sm90a_build(kernel, pointers: dict[str, str], constants: dict, aligned: list[str], **options):
+    """A Triton kernel compiled for sm_90a without a GPU (outside the interpreter: tests run this in a
+    child, compiled_in_child): `pointers` gives the pointer arguments' types (the rest are int32),
+    `constants` the constexprs, `aligned` the arguments known to be multiples of 16; `options` are the
+    launch's (num_warps, num_stages). The result holds the PTX (.asm["ptx"]) and .metadata."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile
-    kernel = int4_gemm_module._int4_gemm_kernel
     index = {name: i for i, name in enumerate(kernel.arg_names)}
+    signature = {name: "i32" for name in kernel.arg_names}
+    signature.update(pointers, **{name: "constexpr" for name in constants})
+    source = ASTSource(kernel, signature, {(index[name],): value for name, value in constants.items()},
+                       attrs={(index[name],): [["tt.divisibility", 16]] for name in aligned})
+    return triton_compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def hopper_ptxas_log(config: Int4GemmConfig, split: bool) -> str:
+    """ptxas's report on _int4_gemm_kernel built for sm_90a as int4_gemm launches it for bfloat16
+    (Triton compiles for a target without a GPU and its own ptxas assembles)."""
     constants = dict(GROUP_SIZE=128, BLOCK_N=config.block_n, BLOCK_M=config.block_m, SPLIT=split,
                      ASM_LOW=dequantize_asm(torch.bfloat16, 0), ASM_HIGH=dequantize_asm(torch.bfloat16, 4),
                      USE_PTX=True, INPUT_PRECISION=None, NUM_STAGES=config.num_stages)
-    signature = {name: "i32" for name in kernel.arg_names}
-    signature.update(x_ptr="*bf16", qweight_ptr="*i32", scales_ptr="*bf16", zeros_ptr="*bf16", out_ptr="*bf16",
-                     partial_ptr="*fp32", arrivals_ptr="*i32", **{name: "constexpr" for name in constants})
-    aligned = ["x_ptr", "qweight_ptr", "scales_ptr", "zeros_ptr", "out_ptr", "partial_ptr", "arrivals_ptr", "N", "K",
-               "K_PER_SPLIT"]
-    source = ASTSource(kernel, signature, {(index[name],): value for name, value in constants.items()},
-                       attrs={(index[name],): [["tt.divisibility", 16]] for name in aligned})
-    return ptxas_report(triton_compile(source, target=GPUTarget("cuda", 90, 32),
-                                       options={"num_warps": config.num_warps}).asm["ptx"])
+    pointers = dict(x_ptr="*bf16", qweight_ptr="*i32", scales_ptr="*bf16", zeros_ptr="*bf16", out_ptr="*bf16",
+                    partial_ptr="*fp32", arrivals_ptr="*i32")
+    build = sm90a_build(int4_gemm_module._int4_gemm_kernel, pointers, constants, [*pointers, "N", "K", "K_PER_SPLIT"],
+                        num_warps=config.num_warps)
+    return ptxas_report(build.asm["ptx"])
 
 
 def ptxas_report(ptx: str) -> str:

@@ -139,19 +139,12 @@ def test_silu_and_mul_quant_holds_a_row_in_several_chunks(chunk, monkeypatch):
 def silu_quant_rows_ptxas_log(columns: int) -> str:
     """ptxas's report on the per-token SiLU-and-quantize kernel built for sm_90a as silu_and_mul_quant
     launches it for bfloat16 rows of `columns` (compiled without a GPU; outside the interpreter)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as triton_compile
     from nanovllm.kernels import silu_and_mul as module
-    from tests.test_int4_gemm import ptxas_report
-    kernel = module._silu_and_mul_quant_rows_kernel
-    index = {name: i for i, name in enumerate(kernel.arg_names)}
+    from tests.test_int4_gemm import ptxas_report, sm90a_build
     chunk, chunks, warps = module.rows_launch(columns)
-    constants = dict(CHUNK=chunk, NUM_CHUNKS=chunks, PDL=True)
-    signature = {name: "i32" for name in kernel.arg_names}
-    signature.update(x_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32", **{name: "constexpr" for name in constants})
-    source = ASTSource(kernel, signature, {(index[name],): v for name, v in constants.items()},
-                       attrs={(index[name],): [["tt.divisibility", 16]] for name in ("x_ptr", "q_ptr", "N")})
-    return ptxas_report(triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"])
+    build = sm90a_build(module._silu_and_mul_quant_rows_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32"),
+                        dict(CHUNK=chunk, NUM_CHUNKS=chunks, PDL=True), ["x_ptr", "q_ptr", "N"], num_warps=warps)
+    return ptxas_report(build.asm["ptx"])
 
 
 def test_silu_and_mul_quant_rows_stay_in_registers():

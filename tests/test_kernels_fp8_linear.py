@@ -188,23 +188,17 @@ def decode_tiles_ptxas_log() -> str:
     """Every tile decode_tile gives the 8B projections on 132 SMs, built for sm_90a as fp8_matmul
     launches it for bfloat16 output (no GPU needed; outside the interpreter, so the test runs this in
     a child): ptxas's report and the shared memory each launch asks for."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as triton_compile
-    from nanovllm.kernels.fp8_linear import _fp8_gemm_kernel as kernel
-    from tests.test_int4_gemm import ptxas_report
-    index = {name: i for i, name in enumerate(kernel.arg_names)}
+    from nanovllm.kernels.fp8_linear import _fp8_gemm_kernel
+    from tests.test_int4_gemm import ptxas_report, sm90a_build
+    pointers = dict(a_ptr="*fp8e4nv", a_s_ptr="*fp32", w_ptr="*fp8e4nv", w_s_ptr="*fp32", bias_ptr="*fp32",
+                    out_ptr="*bf16", partial_ptr="*fp32", arrivals_ptr="*i32")
+    aligned = ["a_ptr", "w_ptr", "out_ptr", "partial_ptr", "N", "K", "K_PER_SPLIT"]
     log = ""
     for tile in sorted({decode_tile(rows, n, 132) for n in (4096, 6144, 24576) for rows in (1, 17, 33, 65, 129, 256)}):
         constants = dict(HAS_BIAS=False, PER_GROUP=False, SPLIT=tile.split_k > 1, SWAPPED=True, BLOCK_M=tile.block_m,
                          BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PDL=True)
-        signature = {name: "i32" for name in kernel.arg_names}
-        signature.update(a_ptr="*fp8e4nv", a_s_ptr="*fp32", w_ptr="*fp8e4nv", w_s_ptr="*fp32", bias_ptr="*fp32",
-                         out_ptr="*bf16", partial_ptr="*fp32", arrivals_ptr="*i32", **{name: "constexpr" for name in constants})
-        aligned = ["a_ptr", "w_ptr", "out_ptr", "partial_ptr", "N", "K", "K_PER_SPLIT"]
-        source = ASTSource(kernel, signature, {(index[name],): v for name, v in constants.items()},
-                           attrs={(index[name],): [["tt.divisibility", 16]] for name in aligned})
-        build = triton_compile(source, target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": tile.num_warps, "num_stages": tile.num_stages})
+        build = sm90a_build(_fp8_gemm_kernel, pointers, constants, aligned, num_warps=tile.num_warps,
+                            num_stages=tile.num_stages)
         log += ptxas_report(build.asm["ptx"]) + f"{tuple(tile)} shared memory: {build.metadata.shared} bytes\n"
     return log
 
