@@ -29,7 +29,7 @@ import torch
 from nanovllm.kernels.fp8_primitives import (FP8_DTYPE, QuantizedActivation, dequantize_ref, num_groups,
                                              quantize_activation_ref)
 from nanovllm.kernels.triton_compat import INTERPRETED, pdl_launch, start_next_kernel, tl, triton, wait_for_previous_kernel
-from nanovllm.kernels.zeroed_workspace import zeroed_workspace
+from nanovllm.kernels.zeroed_workspace import last_to_arrive, zeroed_workspace
 
 
 def fp8_matmul_ref(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
@@ -184,9 +184,8 @@ def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, partial_
         # adds the slices and writes the output, and leaves its arrival count at zero for the next call.
         # (Atomic adds into one set of sums gave wrong tiles now and then on an H200 at three stages.)
         tl.store(partial_ptr + pid_k * M * N + offsets, acc, mask=mask)
-        tl.debug_barrier()     # every thread's sums are stored before the tile counts this program as arrived
         arrivals = arrivals_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(arrivals, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+        if last_to_arrive(arrivals, tl.num_programs(2)):
             total = tl.zeros_like(acc)
             for split in range(tl.num_programs(2)):   # .cg: read from L2, where the other SMs' stores landed
                 total += tl.load(partial_ptr + split * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")

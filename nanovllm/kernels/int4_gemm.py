@@ -31,7 +31,7 @@ import torch
 from nanovllm.kernels.int4_gemv import MAGIC
 from nanovllm.kernels.int_gemm import STEP, in_step_order
 from nanovllm.kernels.triton_compat import tl, triton
-from nanovllm.kernels.zeroed_workspace import zeroed_workspace
+from nanovllm.kernels.zeroed_workspace import last_to_arrive, zeroed_workspace
 
 
 class Int4GemmConfig(NamedTuple):
@@ -154,9 +154,8 @@ def _int4_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
         # the splits of a tile add into float32 sums in a workspace; the last to arrive writes the
         # output and leaves the sums and its arrival count at zero for the next call (as int4_gemv)
         tl.atomic_add(partial_ptr + offsets, tl.trans(acc), mask=mask, sem="relaxed")
-        tl.debug_barrier()     # every thread's sums are in before the tile counts this program as arrived
         arrivals = arrivals_ptr + pid_n * tl.num_programs(0) + pid_m
-        if tl.atomic_add(arrivals, 1, sem="acq_rel") == NUM_SPLITS - 1:
+        if last_to_arrive(arrivals, NUM_SPLITS):
             total = tl.load(partial_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.store(partial_ptr + offsets, tl.zeros_like(total), mask=mask)

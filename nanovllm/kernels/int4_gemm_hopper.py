@@ -232,7 +232,8 @@ if HAS_GLUON:
             mbarrier.invalidate(ready.index(i))
 
         # With K split, the splits add into float32 sums in a zeroed workspace; the last to arrive
-        # writes the output and leaves sums and count at zero (as int4_gemm)
+        # (counted in as zeroed_workspace.last_to_arrive does, in Gluon's operations) writes the
+        # output and leaves sums and count at zero (as int4_gemm)
         _store_sums(sums, off_m, off_n, M, N, out_ptr, partial_ptr, SPLIT)
         if EXTRA_M > 0:
             _store_sums(sums2, off_m + BLOCK_M, off_n, M, N, out_ptr, partial_ptr, SPLIT)
@@ -278,9 +279,10 @@ def int4_gemm_hopper(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         return out
     grid = (triton.cdiv(m, block_m + extra_m), triton.cdiv(n, BLOCK_N), split_k)
     partial, arrivals = split_workspace(out, grid)
-    # without a second piece the kernel never reads x2_desc
-    x_desc, x2_desc = (TensorDescriptor(x, list(x.shape), list(x.stride()), [rows, 64], x_shared_layout(x.dtype, rows))
-                       for rows in (block_m, extra_m or block_m))
+    def x_piece(rows: int) -> TensorDescriptor:
+        return TensorDescriptor(x, list(x.shape), list(x.stride()), [rows, 64], x_shared_layout(x.dtype, rows))
+    x_desc = x_piece(block_m)
+    x2_desc = x_piece(extra_m) if extra_m else x_desc   # the kernel reads it only for a second piece
     w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, BLOCK_N],
                               words_shared_layout())
     _int4_gemm_hopper_kernel[grid](x_desc, x2_desc, w_desc, scales, scaled_zeros, out, partial, arrivals, m, n, k,

@@ -35,7 +35,7 @@ from nanovllm.kernels.fp8_gemv import sm_count, split_k_for
 from nanovllm.kernels.int_gemm import in_step_order
 from nanovllm.kernels.silu_epilogue import gated_columns, silu_and_mul_store
 from nanovllm.kernels.triton_compat import pdl_launch, tl, triton, wait_for_previous_kernel
-from nanovllm.kernels.zeroed_workspace import PendingSums, zeroed_workspace
+from nanovllm.kernels.zeroed_workspace import PendingSums, last_to_arrive, zeroed_workspace
 
 # The weight-only linear sends 4-bit products of at most this many rows here on CUDA (more to
 # int4_gemm, then int_dequantize; on Hopper only one row: more go to int4_gemm_hopper). Measured
@@ -257,9 +257,8 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
         # count, as one fence would (release or acq_rel adds fence each one).
         tl.atomic_add(partial_ptr + offsets, acc, mask=mask, sem="relaxed")
         if FINISH:
-            tl.debug_barrier()     # every thread's sums are in before the tile counts this program as arrived
             arrivals = arrivals_ptr + pid_m * tl.num_programs(0) + pid_n
-            if tl.atomic_add(arrivals, 1, sem="acq_rel") == NUM_SPLITS - 1:
+            if last_to_arrive(arrivals, NUM_SPLITS):
                 # .cg: read from L2, where the other programs' adds were made
                 total = tl.load(partial_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
                 if GATED:

@@ -30,7 +30,7 @@ from nanovllm.kernels.fp8_kv_cache import check_kv_scales, dequantize_fp8, is_fp
 from nanovllm.kernels.rotary_embedding import KVStore, RotaryInputs, apply_rotary_ref, normed_rotated, to_cache
 from nanovllm.kernels.triton_compat import (cuda_major_capability, pdl_launch, start_next_kernel, tl, triton,
                                              wait_for_previous_kernel)
-from nanovllm.kernels.zeroed_workspace import zeroed_workspace
+from nanovllm.kernels.zeroed_workspace import last_to_arrive, zeroed_workspace
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -263,9 +263,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
         first_row = (seq * NUM_HEADS + heads) * NUM_SPLITS
         tl.store(part_out_ptr + (first_row + split)[:, None] * HEAD_DIM + d[None, :], out, mask=out_mask)
         tl.store(part_lse_ptr + first_row + split, m + tl.log2(l), mask=head_mask)
-        tl.debug_barrier()     # every thread's part is stored before the program counts as arrived
         arrivals = arrivals_ptr + seq * (NUM_HEADS // GROUP) + kv_head
-        if tl.atomic_add(arrivals, 1, sem="acq_rel") == busy_splits - 1:
+        if last_to_arrive(arrivals, busy_splits):
             lse_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
             for other in range(busy_splits):   # .cg: read from L2, where the other SMs' stores landed
                 lse_max = tl.maximum(lse_max, tl.load(part_lse_ptr + first_row + other, mask=head_mask,

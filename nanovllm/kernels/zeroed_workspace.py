@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import torch
 
+from nanovllm.kernels.triton_compat import tl, triton
+
 _buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 _outgrown: list[torch.Tensor] = []     # kept alive: CUDA graphs captured with them still write there
 
@@ -33,6 +35,17 @@ def release_workspaces() -> None:
     allocates zeroed ones."""
     _buffers.clear()
     _outgrown.clear()
+
+
+@triton.jit
+def last_to_arrive(count, programs):
+    """Counts this program in at `count` (an int32 of the workspace) and says whether it is the last
+    of `programs` to arrive. What every thread stored before the call is then in L2 for the last
+    one to read (with .cg): the barrier waits for all the threads' stores before the count is
+    taken, and acq_rel orders them before it and the last program's reads after it. The last
+    program stores 0 back to count for the next call."""
+    tl.debug_barrier()
+    return tl.atomic_add(count, 1, sem="acq_rel") == programs - 1
 
 
 class PendingSums(NamedTuple):
