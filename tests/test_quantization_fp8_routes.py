@@ -31,7 +31,7 @@ def transposed(block_m: int, block_n: int, num_warps: int, num_stages: int, spli
 
 # Up to 128 rows, 64 features by the rows rounded up to a power of two: 4096 features (64 tiles on an
 # H100's 132 SMs) split K in two, 6144 do not, both in seven stages; 24576 (several waves) in five
-# stages up to 32 rows, three above
+# stages up to 32 rows, three above; block scales at up to 16 rows keep gemm_tile's tile (GEMM) there
 O16, O32, O64, O128 = (transposed(rows, 64, 4, 7, 2) for rows in (16, 32, 64, 128))
 Q16, Q32, Q64, Q128 = (transposed(rows, 64, 4, 7) for rows in (16, 32, 64, 128))
 G16, G32, G64, G128 = transposed(16, 64, 4, 5), transposed(32, 64, 4, 5), transposed(64, 64, 4, 3), \
@@ -56,9 +56,9 @@ ROWS = (1, 2, 8, 16, 17, 32, 64, 128, 192, 193, 256, 257, 1024)
 H100_BF16 = {
     4096: {
         1: (GEMV, O16, GEMV),
-        2: (O16, O16, GEMM),
-        8: (O16, O16, GEMM),
-        16: (O16, O16, GEMM),
+        2: (O16, O16, O16),
+        8: (O16, O16, O16),
+        16: (O16, O16, O16),
         17: (O32, O32, O32),
         32: (O32, O32, O32),
         64: (O64, O64, O64),
@@ -71,9 +71,9 @@ H100_BF16 = {
     },
     6144: {
         1: (GEMV, Q16, GEMV),
-        2: (Q16, Q16, GEMM),
-        8: (Q16, Q16, GEMM),
-        16: (Q16, Q16, GEMM),
+        2: (Q16, Q16, Q16),
+        8: (Q16, Q16, Q16),
+        16: (Q16, Q16, Q16),
         17: (Q32, Q32, Q32),
         32: (Q32, Q32, Q32),
         64: (Q64, Q64, Q64),
@@ -109,7 +109,7 @@ OTHER_CONDITIONS = {
     (4096, 257, torch.float16, H100, False): (GEMM, GEMM, GEMM),
     (24576, 256, torch.float16, H100, False): (GEMM, GEMM, T256),
     # float32: no GEMV, no _scaled_mm
-    (4096, 1, torch.float32, H100, False): (O16, O16, GEMM),
+    (4096, 1, torch.float32, H100, False): (O16, O16, O16),
     (4096, 1024, torch.float32, H100, False): (GEMM, GEMM, GEMM),
     # an A100 (108 SMs, no _scaled_mm): tiles for its grid (64 tiles split in round(108 / 64) = 2, 96 in 1)
     (4096, 1, torch.bfloat16, A100, False): (GEMV, O16, GEMV),
@@ -119,7 +119,7 @@ OTHER_CONDITIONS = {
     (24576, 256, torch.bfloat16, A100, False): (GEMM, GEMM, T256),
     (4096, 1024, torch.bfloat16, A100, False): (GEMM, GEMM, GEMM),
     # a QuantizedActivation (from the RMSNorm or SiLU-and-mul before the layer) never takes the GEMV
-    (4096, 1, torch.bfloat16, H100, True): (O16, O16, GEMM),
+    (4096, 1, torch.bfloat16, H100, True): (O16, O16, O16),
     (4096, 64, torch.bfloat16, H100, True): (O64, O64, O64),
     (24576, 256, torch.bfloat16, H100, True): (SCALED_MM, SCALED_MM, T256),
     (4096, 1024, torch.bfloat16, H100, True): (SCALED_MM, SCALED_MM, GEMM),

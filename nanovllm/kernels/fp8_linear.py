@@ -199,6 +199,11 @@ def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, partial_
 MULTI_WAVE_TILE = GemmTile(256, 64, 128, 8, 5, swapped=True)
 
 
+def decode_waves(n: int, sms: int) -> int:
+    """How many waves over `sms` SMs decode_tile's grid of n features takes up to 128 tokens (64 a tile)."""
+    return triton.cdiv(triton.cdiv(n, 64), sms)
+
+
 def decode_tile(m: int, n: int, sms: int) -> GemmTile:
     """The transposed tile for a decode batch of m tokens (up to 256) and n output features on `sms`
     SMs, from sweeps of the Qwen3-8B projections (docs/benchmarks.md). Up to 128 tokens the weight's
@@ -210,9 +215,8 @@ def decode_tile(m: int, n: int, sms: int) -> GemmTile:
     keeps it in one wave, else MULTI_WAVE_TILE."""
     if m <= 128:
         block_m = max(16, triton.next_power_of_2(m))
-        tiles = triton.cdiv(n, 64)
-        if tiles <= sms:
-            return GemmTile(block_m, 64, 128, 4, 7, max(1, round(sms / tiles)), swapped=True)
+        if decode_waves(n, sms) == 1:
+            return GemmTile(block_m, 64, 128, 4, 7, max(1, round(sms / triton.cdiv(n, 64))), swapped=True)
         return GemmTile(block_m, 64, 128, 4, 5 if block_m <= 32 else 3, swapped=True)
     programs = lambda block_n, block_m: triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     block_m = 64 if programs(64, 128) <= sms // 2 else 128

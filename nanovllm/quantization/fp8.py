@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from nanovllm.kernels.fp8_gemv import fp8_gemv, sm_count
-from nanovllm.kernels.fp8_linear import (MULTI_WAVE_TILE, GemmTile, decode_tile, fp8_matmul, fp8_matmul_ref,
-                                         quantize_activation, quantize_activation_ref, scaled_mm_per_channel)
+from nanovllm.kernels.fp8_linear import (MULTI_WAVE_TILE, GemmTile, decode_tile, decode_waves, fp8_matmul,
+                                         fp8_matmul_ref, quantize_activation, quantize_activation_ref,
+                                         scaled_mm_per_channel)
 from nanovllm.kernels.fp8_primitives import FP8_DTYPE, FP8_MAX, QuantizedActivation, dequantize_ref
 from nanovllm.kernels.triton_compat import cuda_major_capability
 from nanovllm.quantization.base import ModelShape, LinearMethod, QuantizationConfig, UnquantizedLinearMethod, shard_param
@@ -51,8 +52,9 @@ GEMV_MAX_ROWS = 1
 # Products of at most this many tokens (decode batches) run the Triton GEMM transposed, on
 # decode_tile's tiles (a sweep of the 8B projections at 16-256 tokens, `scripts/int_gemm_bench.py --w8a8`).
 SWAPPED_MAX_ROWS = 256
-# Block scales at up to this many tokens keep gemm_tile's 16-token tile instead (4.28 ms against 4.70
-# for the 8B projections of 36 layers).
+# Block scales at up to this many tokens keep gemm_tile's 16-token tile where decode_tile's grid takes
+# several waves: gate_up_proj 28-29 us against 31-36 at 1-16 tokens; the other three projections
+# take decode_tile (four projections x36 2.62-2.99 ms against 3.42-3.46, H200, 2026-12-03).
 BLOCK_PLAIN_TILE_MAX_ROWS = 16
 # Per-channel grids of several waves (gate_up, MULTI_WAVE_TILE) past this many tokens leave the
 # transposed GEMM for _scaled_mm: cuBLASLt's row-wise GEMM wins there at 256 tokens, not at 192.
@@ -200,7 +202,8 @@ class Fp8LinearMethod(LinearMethod):
             return Fp8Route("twin")
         if raw_input and rows <= GEMV_MAX_ROWS and dtype != torch.float32:
             return Fp8Route("gemv")
-        if rows <= SWAPPED_MAX_ROWS and not (per_group and rows <= BLOCK_PLAIN_TILE_MAX_ROWS):
+        keeps_plain_tile = per_group and rows <= BLOCK_PLAIN_TILE_MAX_ROWS and decode_waves(features, device.sms) > 1
+        if rows <= SWAPPED_MAX_ROWS and not keeps_plain_tile:
             tile = decode_tile(rows, features, device.sms)
             if per_group or tile != MULTI_WAVE_TILE or rows <= PER_CHANNEL_MULTI_WAVE_MAX_ROWS:
                 return Fp8Route("transposed", tile)
