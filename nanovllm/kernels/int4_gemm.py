@@ -19,8 +19,8 @@ accumulator Triton waits for the first product before the second half is dequant
 it keeps the products in flight, so each half's dequantization runs while the matrix cores work
 (8B projections x36 at 240 rows 10.26 -> 9.63 ms on an H200).
 A step lies inside one group: groups of at least 128 rows that divide K. Few column tiles (o_proj,
-down_proj) leave SMs idle, so K is split there: the splits add into float32 sums in a zeroed
-workspace and the last to arrive writes the output (no kernels around this one).
+down_proj) leave SMs idle, so K is split there: each split stores its float32 sums in a slice of
+its own and the last to arrive adds them and writes the output (no kernels around this one).
 Triton's CPU interpreter runs no inline PTX: there the weight is dequantized by integer shifts and
 float32 math. The torch twin is int_gemm's: `int_gemm_ref`.
 """
@@ -116,7 +116,8 @@ def _int4_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
                       INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
     WORDS: tl.constexpr = 16
     STEP: tl.constexpr = 128
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)   # row tiles of one column tile run together: one weight read
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)   # row tiles of one column tile
+    # run together: one weight read
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -126,7 +127,7 @@ def _int4_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
     half = tl.arange(0, STEP // 2)
     acc_low = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)     # out^T
     acc_high = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    k_start = tl.program_id(2) * K_PER_SPLIT
+    k_start = pid_k * K_PER_SPLIT
     # a count of steps the compiler sees is at least one (the host never launches an empty split): with
     # a loop that may run zero times, the sums' zeros are set again on the path around it, and ptxas
     # then waits for every product before the next (C7515 'wgmma.mma_async instructions are serialized')
@@ -151,14 +152,17 @@ def _int4_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
     offsets = rows[:, None] * N + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT:
-        # the splits of a tile add into float32 sums in a workspace; the last to arrive writes the
-        # output and leaves the sums and its arrival count at zero for the next call (as int4_gemv)
-        tl.atomic_add(partial_ptr + offsets, tl.trans(acc), mask=mask, sem="relaxed")
+        # each split stores its float32 sums in a slice of its own; the last of a tile's splits to
+        # arrive adds the slices, writes the output and leaves its arrival count at zero for the next
+        # call. (Atomic adds into one set of sums gave a wrong tile in about 1 call of 600 at 64 rows
+        # on an H200, with or without a fence in every thread, as they did in fp8_linear.)
+        tl.store(partial_ptr + pid_k * M * N + offsets, tl.trans(acc), mask=mask)
         arrivals = arrivals_ptr + pid_n * tl.num_programs(0) + pid_m
         if last_to_arrive(arrivals, NUM_SPLITS):
-            total = tl.load(partial_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for split in range(NUM_SPLITS):   # .cg: read from L2, where the other SMs' stores landed
+                total += tl.load(partial_ptr + split * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.store(partial_ptr + offsets, tl.zeros_like(total), mask=mask)
             tl.store(arrivals, 0)
     else:
         tl.store(out_ptr + offsets, tl.trans(acc).to(out_ptr.dtype.element_ty), mask=mask)
@@ -186,15 +190,6 @@ def k_splits(k: int, split_k: int) -> tuple[int, int]:
     return k_per_split, triton.cdiv(k, k_per_split)
 
 
-def split_workspace(out: torch.Tensor, grid: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float32 sums and arrival counts of a launch whose grid splits K (grid[2] > 1), zero between
-    calls (the kernel leaves them so); unused placeholders otherwise."""
-    if grid[2] == 1:
-        return out, out
-    return (zeroed_workspace(out.device, torch.float32, out.numel()),
-            zeroed_workspace(out.device, torch.int32, grid[0] * grid[1]))
-
-
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor,
               group_size: int, config: Int4GemmConfig | None = None, split_k: int | None = None) -> torch.Tensor:
     """x [M, K] @ the 4-bit packed weight -> [M, N] in x's dtype: bfloat16/float16 on CUDA (float32
@@ -216,7 +211,10 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
         return out
     use_ptx = x.is_cuda and x.dtype in MAGIC
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
-    partial, arrivals = split_workspace(out, grid)
+    partial, arrivals = out, out   # unused unless K is split
+    if split_k > 1:
+        partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+        arrivals = zeroed_workspace(x.device, torch.int32, grid[0] * grid[1])   # the kernel leaves it zero
     _int4_gemm_kernel[grid](x, qweight, scales, scaled_zeros, out, partial, arrivals, m, n, k,
                             k_per_split, split_k, GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_M=block_m,
                             SPLIT=split_k > 1, ASM_LOW=dequantize_asm(x.dtype, 0) if use_ptx else "",

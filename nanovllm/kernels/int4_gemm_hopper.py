@@ -24,10 +24,11 @@ without one.
 """
 import torch
 
-from nanovllm.kernels.int4_gemm import dequantize_asm, gemm_supported, k_splits, launch_for, split_workspace
+from nanovllm.kernels.int4_gemm import dequantize_asm, gemm_supported, k_splits, launch_for
 from nanovllm.kernels.fp8_gemv import sm_count
 from nanovllm.kernels.int_gemm import STEP
 from nanovllm.kernels.triton_compat import cuda_major_capability, triton
+from nanovllm.kernels.zeroed_workspace import zeroed_workspace
 
 try:
     from triton.experimental import gluon
@@ -252,6 +253,15 @@ if HAS_GLUON:
                     gl.store(out_ptr + row_offsets, total.to(dtype), mask=row_mask)
                     gl.store(partial_ptr + row_offsets, gl.zeros_like(total), mask=row_mask)
                 gl.store(arrivals, 0)
+
+
+def split_workspace(out: torch.Tensor, grid: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 sums and arrival counts of a launch whose grid splits K (grid[2] > 1), zero between
+    calls (the kernel leaves them so); unused placeholders otherwise."""
+    if grid[2] == 1:
+        return out, out
+    return (zeroed_workspace(out.device, torch.float32, out.numel()),
+            zeroed_workspace(out.device, torch.int32, grid[0] * grid[1]))
 
 
 def x_shared_layout(dtype: torch.dtype, rows: int):
