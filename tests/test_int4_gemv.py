@@ -294,3 +294,26 @@ def test_left_sums_are_finished_and_cleared_by_the_residual_norm(rows, monkeypat
     assert torch.equal(out, expected[0]) and torch.equal(new_residual, expected[1])
     assert not zeroed_workspace(x.device, torch.float32, 0).any()
     assert int4_gemv(x, *args, split_k=1, leave_sums=True).dtype == dtype    # nothing split: finished as usual
+
+
+def pending_norm_ptx() -> str:
+    """The PTX of rms_norm's kernel finishing PendingSums of 4,096 columns (the 8B shape's hidden
+    size, eight warps), built for sm_90a as a decode step at one row launches it."""
+    from nanovllm.kernels.rms_norm import _rms_norm_kernel
+    from tests.test_int4_gemm import sm90a_build
+    constants = dict(NUM_HEADS=1, N=4096, BLOCK=4096, ROWS=1, HAS_RESIDUAL=True, QUANT_GROUP=0, NUM_GROUPS=1,
+                     PDL=True, PENDING_SUMS=True)
+    pointers = dict(x_ptr="*fp32", residual_ptr="*bf16", weight_ptr="*bf16", out_ptr="*bf16", scale_ptr="*fp32",
+                    eps="fp32")
+    return sm90a_build(_rms_norm_kernel, pointers, constants, ["x_ptr", "residual_ptr", "weight_ptr", "out_ptr",
+                                                               "stride_x_row"], num_warps=8).asm["ptx"]
+
+
+def test_pending_sums_are_read_by_every_warp_before_any_clears_them():
+    """rms_norm clears the float32 sums it reads. Triton stores the zeros in another thread layout than
+    it loads the sums (each thread 8 columns, then 4), so one warp would clear columns another has
+    yet to read unless a barrier stands between: a race no CPU run can show, so this reads the built
+    kernel. Its first global store must come after a barrier."""
+    from tests.test_int4_gemm import compiled_in_child
+    ptx = compiled_in_child("from tests.test_int4_gemv import pending_norm_ptx\nprint(pending_norm_ptx())")
+    assert "st.global" in ptx and "bar.sync" in ptx[:ptx.index("st.global")], ptx

@@ -154,8 +154,9 @@ def _int4_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
     if SPLIT:
         # each split stores its float32 sums in a slice of its own; the last of a tile's splits to
         # arrive adds the slices, writes the output and leaves its arrival count at zero for the next
-        # call. (Atomic adds into one set of sums gave a wrong tile in about 1 call of 600 at 64 rows
-        # on an H200, with or without a fence in every thread, as they did in fp8_linear.)
+        # call. (Atomic adds into one set of sums, cleared by the last split, gave a wrong tile in about
+        # 1 call of 600 at 64 rows on an H200: Triton cleared them in the adds' thread layout, not the
+        # loads', with no barrier between, so a warp could clear sums another had yet to read.)
         tl.store(partial_ptr + pid_k * M * N + offsets, tl.trans(acc), mask=mask)
         arrivals = arrivals_ptr + pid_n * tl.num_programs(0) + pid_m
         if last_to_arrive(arrivals, NUM_SPLITS):

@@ -265,6 +265,7 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
                     silu_and_mul_store(out_ptr, total, rows, pid_n * (BLOCK_N // 2), M, N // 2, BLOCK_N)
                 else:
                     tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.debug_barrier()     # all read before any clears (the clearing may take another thread layout)
                 tl.store(partial_ptr + offsets, tl.zeros_like(acc), mask=mask)
                 tl.store(arrivals, 0)
     elif GATED:

@@ -56,6 +56,9 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, scale_ptr, eps, n
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + own_offs, mask=mask, other=0.0)
     if PENDING_SUMS:    # float32 sums in the workspace: rounded as the reduction would, then cleared
+        # every warp has read its sums before any clears them: Triton may store in another thread
+        # layout than it loaded (it does for 4,096 columns), and then a warp clears what another reads
+        tl.debug_barrier()
         tl.store(x_ptr + x_offs, tl.zeros_like(x), mask=mask)
         x = x.to(residual_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
