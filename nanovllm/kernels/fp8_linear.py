@@ -182,8 +182,8 @@ def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, partial_
     if SPLIT:
         # each K split stores its float32 sums in its own slice; the last of a tile's splits to arrive
         # adds the slices and writes the output, and leaves its arrival count at zero for the next call.
-        # (Atomic adds into one set of sums, cleared by the last split, gave wrong tiles now and then:
-        # Triton cleared them in another thread layout than it read them, with no barrier between.)
+        # (Atomic adds into one set of sums, cleared by the last split, gave wrong tiles now and then,
+        # most likely as in int4_gemm: cleared in another thread layout than read, no barrier between.)
         tl.store(partial_ptr + pid_k * M * N + offsets, acc, mask=mask)
         arrivals = arrivals_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         if last_to_arrive(arrivals, tl.num_programs(2)):
