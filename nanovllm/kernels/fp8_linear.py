@@ -28,8 +28,8 @@ import torch
 
 from nanovllm.kernels.fp8_primitives import (FP8_DTYPE, QuantizedActivation, dequantize_ref, num_groups,
                                              quantize_activation_ref)
+from nanovllm.kernels.split_slices import add_split_slices, split_slices
 from nanovllm.kernels.triton_compat import INTERPRETED, pdl_launch, start_next_kernel, tl, triton, wait_for_previous_kernel
-from nanovllm.kernels.zeroed_workspace import last_to_arrive, zeroed_workspace
 
 
 def fp8_matmul_ref(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group_size: int,
@@ -179,19 +179,9 @@ def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, partial_
         acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
     offsets = rows[:, None] * N + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
-    if SPLIT:
-        # each K split stores its float32 sums in its own slice; the last of a tile's splits to arrive
-        # adds the slices and writes the output, and leaves its arrival count at zero for the next call.
-        # (Atomic adds into one set of sums, cleared by the last split, gave wrong tiles now and then,
-        # most likely as in int4_gemm: cleared in another thread layout than read, no barrier between.)
-        tl.store(partial_ptr + pid_k * M * N + offsets, acc, mask=mask)
-        arrivals = arrivals_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        if last_to_arrive(arrivals, tl.num_programs(2)):
-            total = tl.zeros_like(acc)
-            for split in range(tl.num_programs(2)):   # .cg: read from L2, where the other SMs' stores landed
-                total += tl.load(partial_ptr + split * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.store(arrivals, 0)
+    if SPLIT:   # (atomic sums gave wrong tiles now and then here too: split_slices.py)
+        add_split_slices(acc, partial_ptr, out_ptr, offsets, mask, pid_k, tl.num_programs(2), M * N,
+                         arrivals_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1))
     else:
         tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -259,10 +249,7 @@ def fp8_matmul(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: tor
     tiles = (triton.cdiv(n, block_n), triton.cdiv(m, block_m)) if swapped else \
         (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     grid = (*tiles, split_k)
-    partial, arrivals = out, out   # unused unless K is split
-    if split_k > 1:
-        partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x_q.device)
-        arrivals = zeroed_workspace(x_q.device, torch.int32, tiles[0] * tiles[1])   # the kernel leaves it zero
+    partial, arrivals = split_slices(out, split_k, tiles[0] * tiles[1])
     _fp8_gemm_kernel[grid](x_q, x_s, w_q, w_s, bias if bias is not None else w_s, out, partial, arrivals, m, n, k,
                            groups, group_size, k_per_split, HAS_BIAS=bias is not None, PER_GROUP=per_group,
                            SPLIT=split_k > 1, SWAPPED=swapped, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,

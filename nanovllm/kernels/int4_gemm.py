@@ -19,8 +19,8 @@ accumulator Triton waits for the first product before the second half is dequant
 it keeps the products in flight, so each half's dequantization runs while the matrix cores work
 (8B projections x36 at 240 rows 10.26 -> 9.63 ms on an H200).
 A step lies inside one group: groups of at least 128 rows that divide K. Few column tiles (o_proj,
-down_proj) leave SMs idle, so K is split there: each split stores its float32 sums in a slice of
-its own and the last to arrive adds them and writes the output (no kernels around this one).
+down_proj) leave SMs idle, so K is split there, the splits' sums meeting in slices (split_slices.py:
+the last to arrive adds them and writes the output, no kernels around this one).
 Triton's CPU interpreter runs no inline PTX: there the weight is dequantized by integer shifts and
 float32 math. The torch twin is int_gemm's: `int_gemm_ref`.
 """
@@ -30,8 +30,8 @@ import torch
 
 from nanovllm.kernels.int4_gemv import MAGIC
 from nanovllm.kernels.int_gemm import STEP, in_step_order
+from nanovllm.kernels.split_slices import add_split_slices, split_slices
 from nanovllm.kernels.triton_compat import tl, triton
-from nanovllm.kernels.zeroed_workspace import last_to_arrive, zeroed_workspace
 
 
 class Int4GemmConfig(NamedTuple):
@@ -116,8 +116,8 @@ def _int4_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
                       INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
     WORDS: tl.constexpr = 16
     STEP: tl.constexpr = 128
-    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)   # row tiles of one column tile
-    # run together: one weight read
+    # row tiles of one column tile run together: one weight read
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -152,19 +152,8 @@ def _int4_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
     offsets = rows[:, None] * N + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT:
-        # each split stores its float32 sums in a slice of its own; the last of a tile's splits to
-        # arrive adds the slices, writes the output and leaves its arrival count at zero for the next
-        # call. (Atomic adds into one set of sums, cleared by the last split, gave a wrong tile in about
-        # 1 call of 600 at 64 rows on an H200: Triton cleared them in the adds' thread layout, not the
-        # loads', with no barrier between, so a warp could clear sums another had yet to read.)
-        tl.store(partial_ptr + pid_k * M * N + offsets, tl.trans(acc), mask=mask)
-        arrivals = arrivals_ptr + pid_n * tl.num_programs(0) + pid_m
-        if last_to_arrive(arrivals, NUM_SPLITS):
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for split in range(NUM_SPLITS):   # .cg: read from L2, where the other SMs' stores landed
-                total += tl.load(partial_ptr + split * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.store(arrivals, 0)
+        add_split_slices(tl.trans(acc), partial_ptr, out_ptr, offsets, mask, pid_k, NUM_SPLITS, M * N,
+                         arrivals_ptr + pid_n * tl.num_programs(0) + pid_m)
     else:
         tl.store(out_ptr + offsets, tl.trans(acc).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -212,10 +201,7 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
         return out
     use_ptx = x.is_cuda and x.dtype in MAGIC
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
-    partial, arrivals = out, out   # unused unless K is split
-    if split_k > 1:
-        partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-        arrivals = zeroed_workspace(x.device, torch.int32, grid[0] * grid[1])   # the kernel leaves it zero
+    partial, arrivals = split_slices(out, split_k, grid[0] * grid[1])
     _int4_gemm_kernel[grid](x, qweight, scales, scaled_zeros, out, partial, arrivals, m, n, k,
                             k_per_split, split_k, GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_M=block_m,
                             SPLIT=split_k > 1, ASM_LOW=dequantize_asm(x.dtype, 0) if use_ptx else "",
