@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from nanovllm.kernels import int4_gemv as int4_gemv_module
-from nanovllm.kernels.int4_gemv import (F32_OFFSET, MAGIC, ONE_ROW_CONFIG, WIDE_ONE_ROW_CONFIG,
-                                        Int4GemvConfig, gemv_supported, int4_gemv, unpack_asm, unpack_f32_asm)
+from nanovllm.kernels.int4_gemv import (F32_OFFSET, MAGIC, ONE_ROW_CONFIG, Int4GemvConfig,
+                                        gemv_supported, int4_gemv, unpack_asm, unpack_f32_asm)
 from nanovllm.kernels.int_gemm import int_gemm_ref
 from nanovllm.quantization.int_packing import awq_for_gemm, gptq_for_gemm
 from nanovllm.checkpoints.quantized_checkpoint import quantize_awq, quantize_gptq
@@ -78,12 +78,13 @@ def test_tiles_of_more_rows(block_m, rows):
         torch.testing.assert_close(out, ref, **tolerance(dtype))
 
 
-@pytest.mark.parametrize("config", [ONE_ROW_CONFIG, WIDE_ONE_ROW_CONFIG, Int4GemvConfig(32, 128, 1, 1, sub_words=4),
+@pytest.mark.parametrize("config", [ONE_ROW_CONFIG, Int4GemvConfig(64, 128, 1, 1, sub_words=2),
+                                    Int4GemvConfig(32, 128, 1, 1, sub_words=4),
                                     Int4GemvConfig(64, 128, 2, 1, sub_words=16)],
-                         ids=["one-row", "wide", "sub4", "sub16"])
+                         ids=["one-row", "sub2", "sub4", "sub16"])
 def test_one_row_sub_steps(config, monkeypatch):
-    """One row element-wise (here for layers of any size) in sub-steps of 2, 4 or all 16 words of a
-    step; a layer wide enough for the wide default."""
+    """One row element-wise (here for layers of any size) in sub-steps of 2, 4, 8 or all 16 words of
+    a step, in programs of one or two warps."""
     monkeypatch.setattr(int4_gemv_module, "ONE_ROW_MIN_WEIGHTS", 0)
     dtype = DTYPES[0]
     for k, n in ((256, 200), (128, 520)):
@@ -96,9 +97,9 @@ def test_one_row_sub_steps(config, monkeypatch):
         torch.testing.assert_close(out, ref, **tolerance(dtype))
 
 
-@pytest.mark.parametrize("rows,min_weights,config", [(1, 0, ONE_ROW_CONFIG), (1, 0, WIDE_ONE_ROW_CONFIG),
+@pytest.mark.parametrize("rows,min_weights,config", [(1, 0, ONE_ROW_CONFIG), (1, 0, Int4GemvConfig(64, 128, 1, 1, sub_words=2)),
                                                      (1, None, None), (3, None, None), (40, None, None)],
-                         ids=["one-row", "wide", "tile-one-row", "tile", "tile-of-32-rows"])
+                         ids=["one-row", "sub2", "tile-one-row", "tile", "tile-of-32-rows"])
 def test_gated_is_the_product_then_silu_and_mul(rows, min_weights, config, monkeypatch):
     """gated=True on a merged [gate; up] layer (gate columns 0..N/2, up N/2..N): silu(gate) * up
     from the epilogue, split K or not, bit for bit the unfused GEMV followed by the silu_and_mul
@@ -317,3 +318,4 @@ def test_pending_sums_are_read_by_every_warp_before_any_clears_them():
     from tests.test_int4_gemm import compiled_in_child
     ptx = compiled_in_child("from tests.test_int4_gemv import pending_norm_ptx\nprint(pending_norm_ptx())")
     assert "st.global" in ptx and "bar.sync" in ptx[:ptx.index("st.global")], ptx
+

@@ -67,12 +67,12 @@ class Int4GemvConfig(NamedTuple):
 # `scripts/int_gemm_bench.py --int4-gemv --sweep --batch 8 16`) the best launch of every projection
 # or within 2% (gate_up, down, o at 8 rows 32.4, 18.1, 9.8 us against 35.4, 22.3, 11.2 for 256 x 3 stages)
 DEFAULT_CONFIG = Int4GemvConfig(128, 128, 4, 4)
-# One row, from sweeps of the Qwen3-8B projections on one H100 (docs/benchmarks.md): single-warp
-# programs in sub-steps of 2 words (~3.5 instructions per weight), of 64 columns (qkv and o: 9.6
-# and 8.3 us against 9.8 and 9.0 for four-warp programs of 256) or, for long layers (columns >= 4x
-# rows: gate_up; rows >= 2x columns: down, in step order 13.9 us against 14.8 at 64 columns), 128.
-ONE_ROW_CONFIG = Int4GemvConfig(64, 128, 1, 1, sub_words=2)
-WIDE_ONE_ROW_CONFIG = Int4GemvConfig(128, 128, 1, 1, sub_words=2)
+# One row: programs of two warps, 256 columns, sub-steps of 8 words (each lane 8 words of 4
+# columns a load), every projection. On one H200 (2026-12-03, Qwen3-8B projections,
+# `scripts/int_gemm_bench.py --int4-gemv --sweep --batch 1`) the best of 13 launch shapes x 6 splits
+# or within 0.2 us; AWQ batch 1 2.49 against 2.68 ms for single-warp programs of 64 or 128 columns
+# in sub-steps of 2 words, which an H100 sweep had chosen.
+ONE_ROW_CONFIG = Int4GemvConfig(256, 128, 2, 1, sub_words=8)
 # One row splits K until about this many warps per SM stream the weight (the best split of each
 # projection in that sweep)
 ONE_ROW_WARPS_PER_SM = 24
@@ -291,7 +291,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
     n = qweight.shape[1]
     one_row = m == 1 and k * n >= ONE_ROW_MIN_WEIGHTS
     if config is None:
-        config = (WIDE_ONE_ROW_CONFIG if n >= 4 * k or k >= 2 * n else ONE_ROW_CONFIG) if one_row else DEFAULT_CONFIG
+        config = ONE_ROW_CONFIG if one_row else DEFAULT_CONFIG
     block_n, block_k, num_warps, num_stages, sub_words, tile_rows = config
     if not gemv_supported(k, group_size, None, 4, config):
         raise ValueError(f"int4_gemv: group_size {group_size} must be at least 128, divide K = {k} and, when "
