@@ -78,7 +78,11 @@ def test_tiles_of_more_rows(block_m, rows):
         torch.testing.assert_close(out, ref, **tolerance(dtype))
 
 
-@pytest.mark.parametrize("config", [ONE_ROW_CONFIG, Int4GemvConfig(64, 128, 1, 1, sub_words=2),
+# the one-row launch before ONE_ROW_CONFIG: single-warp programs in sub-steps of 2 words
+TWO_WORD_SUB_STEPS = Int4GemvConfig(64, 128, 1, 1, sub_words=2)
+
+
+@pytest.mark.parametrize("config", [ONE_ROW_CONFIG, TWO_WORD_SUB_STEPS,
                                     Int4GemvConfig(32, 128, 1, 1, sub_words=4),
                                     Int4GemvConfig(64, 128, 2, 1, sub_words=16)],
                          ids=["one-row", "sub2", "sub4", "sub16"])
@@ -97,7 +101,7 @@ def test_one_row_sub_steps(config, monkeypatch):
         torch.testing.assert_close(out, ref, **tolerance(dtype))
 
 
-@pytest.mark.parametrize("rows,min_weights,config", [(1, 0, ONE_ROW_CONFIG), (1, 0, Int4GemvConfig(64, 128, 1, 1, sub_words=2)),
+@pytest.mark.parametrize("rows,min_weights,config", [(1, 0, ONE_ROW_CONFIG), (1, 0, TWO_WORD_SUB_STEPS),
                                                      (1, None, None), (3, None, None), (40, None, None)],
                          ids=["one-row", "sub2", "tile-one-row", "tile", "tile-of-32-rows"])
 def test_gated_is_the_product_then_silu_and_mul(rows, min_weights, config, monkeypatch):
@@ -318,4 +322,3 @@ def test_pending_sums_are_read_by_every_warp_before_any_clears_them():
     from tests.test_int4_gemm import compiled_in_child
     ptx = compiled_in_child("from tests.test_int4_gemv import pending_norm_ptx\nprint(pending_norm_ptx())")
     assert "st.global" in ptx and "bar.sync" in ptx[:ptx.index("st.global")], ptx
-

@@ -70,7 +70,7 @@ DEFAULT_CONFIG = Int4GemvConfig(128, 128, 4, 4)
 # One row: programs of two warps, 256 columns, sub-steps of 8 words (each lane 8 words of 4
 # columns a load), every projection. On one H200 (2026-12-03, Qwen3-8B projections,
 # `scripts/int_gemm_bench.py --int4-gemv --sweep --batch 1`) the best of 13 launch shapes x 6 splits
-# or within 0.2 us; AWQ batch 1 2.49 against 2.68 ms for single-warp programs of 64 or 128 columns
+# or within 0.2 us; AWQ batch 1 2.49 against 2.67 ms for single-warp programs of 64 or 128 columns
 # in sub-steps of 2 words, which an H100 sweep had chosen.
 ONE_ROW_CONFIG = Int4GemvConfig(256, 128, 2, 1, sub_words=8)
 # One row splits K until about this many warps per SM stream the weight (the best split of each
