@@ -20,9 +20,9 @@ the step's sum of x taken by the matrix cores too (x_i @ ones: it lands in the a
 and the compiler keeps one column tile of it, the others being equal).
 Rows are padded to a 16-row tile (the matrix cores' smallest).
 One row (batch-1 decode) would waste 15 of those 16 rows, so it multiplies element-wise in float32
-instead: each word becomes its 8 rows as float32 128 + q in 15 instructions (unpack_f32_asm: a
-shift and a lop3 per row), one fused multiply-add each with x_i, and per step the scale and zero
-(with the offset's share of x) once per word and column.
+instead: each word becomes its 8 rows as float32 offset + q in 11 instructions (unpack_f32_asm: a
+shift per two rows, even rows under 128, odd under 2048, and a lop3 per row), one fused multiply-add
+each with x_i, and per step the scale and zero (with the offsets' share of x) once per word and column.
 Triton's CPU interpreter runs no inline PTX: there the same values come from integer shifts and
 masks (both PTX programs are checked by an emulation of their instructions in tests/test_int4_gemv.py). Act-order
 layers (a g_idx) and 8 bits stay on int_gemm. The torch twin is int_gemm's: `int_gemm_ref`.
@@ -68,11 +68,17 @@ class Int4GemvConfig(NamedTuple):
 # or within 2% (gate_up, down, o at 8 rows 32.4, 18.1, 9.8 us against 35.4, 22.3, 11.2 for 256 x 3 stages)
 DEFAULT_CONFIG = Int4GemvConfig(128, 128, 4, 4)
 # One row: programs of two warps, 256 columns, sub-steps of 8 words (each lane 8 words of 4
-# columns a load), every projection. On one H200 (2026-12-03, Qwen3-8B projections,
+# columns a load). On one H200 (2026-12-03, Qwen3-8B projections,
 # `scripts/int_gemm_bench.py --int4-gemv --sweep --batch 1`) the best of 13 launch shapes x 6 splits
 # or within 0.2 us; AWQ batch 1 2.49 against 2.67 ms for single-warp programs of 64 or 128 columns
 # in sub-steps of 2 words, which an H100 sweep had chosen.
 ONE_ROW_CONFIG = Int4GemvConfig(256, 128, 2, 1, sub_words=8)
+# Layers of at least WIDE_ONE_ROW_MIN_WEIGHTS take 512 columns in sub-steps of 4 words: each lane
+# then holds 8 columns, so the x values it converts and sums serve twice the weights (3.2
+# instructions a weight against 4.2). On one H200 (2026-12-03) gate_up and down 19.7 / 11.1 us
+# against 22.6 / 12.7; qkv and o (25M and 17M weights) lost (8.4 / 7.6 against 7.3 / 6.3 us).
+WIDE_ONE_ROW_CONFIG = Int4GemvConfig(512, 128, 2, 1, sub_words=4)
+WIDE_ONE_ROW_MIN_WEIGHTS = 40 << 20
 # One row splits K until about this many warps per SM stream the weight (the best split of each
 # projection in that sweep)
 ONE_ROW_WARPS_PER_SM = 24
@@ -105,38 +111,44 @@ def unpack_asm(magic_bits: int) -> str:
 
 
 
-# One row unpacks straight to float32: q lands in bits 16-19 under the exponent of 128.0, whose
-# float32 ulp there is 1, so the float is 128 + q (the offset of the bfloat16 path, in float32).
-F32_MAGIC, F32_OFFSET = 0x43000000, 128.0
+# One row unpacks straight to float32: a nibble in bits 16-19 under the exponent of 128.0, whose
+# float32 ulp there is 1, reads as 128 + q; one in bits 12-15 under 2048.0 as 2048 + q. So one shift
+# places two rows (even rows under 128, odd rows under 2048), and the products of the odd rows keep
+# 12 bits fewer of float32's 24 below the offset, still far below the 16-bit output's rounding.
+F32_MAGIC = {128.0: 0x43000000, 2048.0: 0x45000000}
+F32_ROW_OFFSETS = (128.0, 2048.0) * 4       # by row: even rows, odd rows
+# the rows each shift of the word places (bits 16-19, bits 12-15), and the PTX of the shift
+F32_SHIFTS = (((4, 3), None), ((2, 1), "shl.b32 t, $8, 8;"), ((6, 5), "shr.b32 t, $8, 8;"),
+              ((0, 7), "prmt.b32 t, $8, $8, 0x1032;"))      # prmt: the halves swapped, a rotation by 16
 
 
 def unpack_f32_asm() -> str:
-    """The PTX that turns one word ($8) into its 8 rows as float32 128 + q ($0-$7): per row a shift
-    that brings nibble i to bits 16-19 (none for row 4), then one lop3, (t & 0x000F0000) | F32_MAGIC.
-    (Two rows per shift, the other's nibble in bits 12-15 under 2048.0, cost float32 precision and
-    gained nothing measurable on an H100.)"""
+    """The PTX that turns one word ($8) into its 8 rows as float32 offset + q ($0-$7; F32_ROW_OFFSETS):
+    per pair of rows one shift (none for rows 4 and 3) and two lop3, (t & mask) | magic, 11
+    instructions for 8 weights."""
     lines = []
-    for i in range(8):
-        shift = 16 - 4 * i
+    for (even, odd), shift in F32_SHIFTS:
         if shift:
-            lines.append(f"{'shl' if shift > 0 else 'shr'}.b32 t, $8, {abs(shift)};")
-        lines.append(f"lop3.b32 ${i}, {'t' if shift else '$8'}, 0x000F0000, {F32_MAGIC:#010x}, 0xEA;")
+            lines.append(shift)
+        source = "t" if shift else "$8"
+        lines.append(f"lop3.b32 ${even}, {source}, 0x000F0000, {F32_MAGIC[128.0]:#010x}, 0xEA;")
+        lines.append(f"lop3.b32 ${odd}, {source}, 0x0000F000, {F32_MAGIC[2048.0]:#010x}, 0xEA;")
     return "{\n.reg .b32 t;\n" + "\n".join(lines) + "\n}"
 
 
 @triton.jit
 def _unpack_rows_f32(words, ASM: tl.constexpr, USE_PTX: tl.constexpr):
-    """The 8 rows of each word as float32 tensors of F32_OFFSET + q."""
+    """The 8 rows of each word as float32 tensors of offset + q (F32_ROW_OFFSETS: 128, 2048, 128, ...)."""
     if USE_PTX:
         return tl.inline_asm_elementwise(
             asm=ASM, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[words],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32),
             is_pure=True, pack=1)
     else:
-        return (_row(words, 0, 0, 128.0, tl.float32), _row(words, 1, 0, 128.0, tl.float32),
-                _row(words, 2, 0, 128.0, tl.float32), _row(words, 3, 0, 128.0, tl.float32),
-                _row(words, 4, 0, 128.0, tl.float32), _row(words, 5, 0, 128.0, tl.float32),
-                _row(words, 6, 0, 128.0, tl.float32), _row(words, 7, 0, 128.0, tl.float32))
+        return (_row(words, 0, 0, 128.0, tl.float32), _row(words, 1, 0, 2048.0, tl.float32),
+                _row(words, 2, 0, 128.0, tl.float32), _row(words, 3, 0, 2048.0, tl.float32),
+                _row(words, 4, 0, 128.0, tl.float32), _row(words, 5, 0, 2048.0, tl.float32),
+                _row(words, 6, 0, 128.0, tl.float32), _row(words, 7, 0, 2048.0, tl.float32))
 
 
 @triton.jit
@@ -207,7 +219,8 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
         acc_words = tl.zeros((SUB_WORDS, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             raw = tl.zeros((SUB_WORDS, BLOCK_N), dtype=tl.float32)
-            x_sum = tl.zeros((SUB_WORDS,), dtype=tl.float32)
+            x_even = tl.zeros((SUB_WORDS,), dtype=tl.float32)     # the sums of x under each offset
+            x_odd = tl.zeros((SUB_WORDS,), dtype=tl.float32)
             for j in tl.static_range(WORDS // SUB_WORDS):
                 kw = k0 // 8 + j * SUB_WORDS + sub
                 words = tl.load(qweight_ptr + kw.to(tl.int64)[:, None] * N + cols[None, :], mask=col_ok[None, :],
@@ -218,11 +231,15 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
                     x_i = tl.load(x_row + k0 + ((j * SUB_WORDS) // 16) * 128 + (j * SUB_WORDS) % 16 + sub
                                   + 16 * i).to(tl.float32)
                     raw += x_i[:, None] * w[i]
-                    x_sum += x_i
+                    if i % 2 == 0:
+                        x_even += x_i
+                    else:
+                        x_odd += x_i
             group = k0 // GROUP_SIZE
             s = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             z = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            acc_words += s * raw - (128.0 * s + z) * x_sum[:, None]
+            x_offsets = 128.0 * x_even + 2048.0 * x_odd
+            acc_words += s * (raw - x_offsets[:, None]) - z * (x_even + x_odd)[:, None]
         acc = tl.sum(acc_words, axis=0)[None, :]
     else:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -291,7 +308,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
     n = qweight.shape[1]
     one_row = m == 1 and k * n >= ONE_ROW_MIN_WEIGHTS
     if config is None:
-        config = ONE_ROW_CONFIG if one_row else DEFAULT_CONFIG
+        config = DEFAULT_CONFIG if not one_row else \
+            WIDE_ONE_ROW_CONFIG if k * n >= WIDE_ONE_ROW_MIN_WEIGHTS else ONE_ROW_CONFIG
     block_n, block_k, num_warps, num_stages, sub_words, tile_rows = config
     if not gemv_supported(k, group_size, None, 4, config):
         raise ValueError(f"int4_gemv: group_size {group_size} must be at least 128, divide K = {k} and, when "
