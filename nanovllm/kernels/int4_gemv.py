@@ -76,7 +76,8 @@ ONE_ROW_CONFIG = Int4GemvConfig(256, 128, 2, 1, sub_words=8)
 # Layers of at least WIDE_ONE_ROW_MIN_WEIGHTS take 512 columns in sub-steps of 4 words: each lane
 # then holds 8 columns, so the x values it converts and sums serve twice the weights (3.2
 # instructions a weight against 4.2). On one H200 (2026-12-03) gate_up and down 19.7 / 11.1 us
-# against 22.6 / 12.7; qkv and o (25M and 17M weights) lost (8.4 / 7.6 against 7.3 / 6.3 us).
+# against 22.9 / 13.4 (AWQ batch 1 2.455 against 2.496 ms); qkv and o (25M and 17M weights) lost,
+# 8.4 / 7.6 against 7.3 / 6.3 us.
 WIDE_ONE_ROW_CONFIG = Int4GemvConfig(512, 128, 2, 1, sub_words=4)
 WIDE_ONE_ROW_MIN_WEIGHTS = 40 << 20
 # One row splits K until about this many warps per SM stream the weight (the best split of each
