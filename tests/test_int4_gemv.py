@@ -34,8 +34,9 @@ def both(x, layer, group_size, config=None, split_k=None):
 
 
 def tolerance(dtype):
-    # float32 (interpreter): one row's odd rows are summed under an offset of 2048 (int4_gemv.F32_ROW_OFFSETS)
-    return dict(rtol=0, atol=3e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    # float32 (interpreter): one row's odd rows are summed under an offset of 2048 (int4_gemv.F32_ROW_OFFSETS),
+    # which costs about a tenth of a bfloat16 rounding (errors up to 5e-4 on outputs of about 1)
+    return dict(rtol=0, atol=1e-3) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -92,7 +93,7 @@ def test_one_row_sub_steps(config, monkeypatch):
     a step, in programs of one or two warps, and as the layer's size picks (wide from 40M weights)."""
     monkeypatch.setattr(int4_gemv_module, "ONE_ROW_MIN_WEIGHTS", 0)
     dtype = DTYPES[0]
-    for k, n in ((256, 200), (128, 520)):
+    for k, n in ((256, 200), (128, 520), (128, 512)):     # partial column tiles, then none (unmasked loads)
         layer = awq_layer(k, n, 128, dtype, seed=k)
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(n)).to(DEVICE, dtype)
         for split_k in (None, 2):
@@ -104,11 +105,11 @@ def test_one_row_sub_steps(config, monkeypatch):
         torch.testing.assert_close(out, ref, **tolerance(dtype))
 
 
-@pytest.mark.parametrize("rows,min_weights,config", [(1, 0, ONE_ROW_CONFIG), (1, 0, WIDE_ONE_ROW_CONFIG),
-                                                     (1, 0, TWO_WORD_SUB_STEPS), (1, None, None), (3, None, None),
-                                                     (40, None, None)],
-                         ids=["one-row", "wide", "sub2", "tile-one-row", "tile", "tile-of-32-rows"])
-def test_gated_is_the_product_then_silu_and_mul(rows, min_weights, config, monkeypatch):
+@pytest.mark.parametrize("rows,min_weights,config,columns", [
+    (1, 0, ONE_ROW_CONFIG, 256), (1, 0, WIDE_ONE_ROW_CONFIG, 256), (1, 0, TWO_WORD_SUB_STEPS, 72),
+    (1, None, None, 72), (3, None, None, 72), (40, None, None, 72)],
+    ids=["one-row", "wide", "sub2", "tile-one-row", "tile", "tile-of-32-rows"])
+def test_gated_is_the_product_then_silu_and_mul(rows, min_weights, config, columns, monkeypatch):
     """gated=True on a merged [gate; up] layer (gate columns 0..N/2, up N/2..N): silu(gate) * up
     from the epilogue, split K or not, bit for bit the unfused GEMV followed by the silu_and_mul
     kernel, and close to the twins."""
@@ -116,7 +117,7 @@ def test_gated_is_the_product_then_silu_and_mul(rows, min_weights, config, monke
     if min_weights is not None:
         monkeypatch.setattr(int4_gemv_module, "ONE_ROW_MIN_WEIGHTS", min_weights)
     dtype = DTYPES[0]
-    k, n = 256, 2 * 72        # 72 columns of each: partial column tiles
+    k, n = 256, 2 * columns        # of each: 72 leaves partial column tiles, 256 none (unmasked loads)
     layer = awq_layer(k, n, 128, dtype, seed=9)
     args = (layer["qweight"], layer["scales"], layer["scaled_zeros"], 128)
     # x in quarters: every product-sum of the tiles is exact, so their order (the interpreter's dots
