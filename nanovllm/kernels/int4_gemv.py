@@ -74,10 +74,10 @@ DEFAULT_CONFIG = Int4GemvConfig(128, 128, 4, 4)
 # in sub-steps of 2 words, which an H100 sweep had chosen.
 ONE_ROW_CONFIG = Int4GemvConfig(256, 128, 2, 1, sub_words=8)
 # Layers of at least WIDE_ONE_ROW_MIN_WEIGHTS take 512 columns in sub-steps of 4 words: each lane
-# then holds 8 columns, so the x values it converts and sums serve twice the weights (3.2
-# instructions a weight against 4.2). On one H200 (2026-12-03) gate_up and down 19.7 / 11.1 us
-# against 22.9 / 13.4 (AWQ batch 1 2.455 against 2.496 ms); qkv and o (25M and 17M weights) lost,
-# 8.4 / 7.6 against 7.3 / 6.3 us.
+# then holds 8 columns, so the x values it converts and sums serve twice the weights (3.0
+# instructions a weight against 3.8 in the sm_90a SASS). On one H200 (2026-12-03, loads still masked)
+# gate_up and down 19.7 / 11.1 us against 22.9 / 13.4 (AWQ batch 1 2.455 against 2.496 ms); qkv and o
+# (25M and 17M weights) lost, 8.4 / 7.6 against 7.3 / 6.3 us.
 WIDE_ONE_ROW_CONFIG = Int4GemvConfig(512, 128, 2, 1, sub_words=4)
 WIDE_ONE_ROW_MIN_WEIGHTS = 40 << 20
 # One row splits K until about this many warps per SM stream the weight (the best split of each
@@ -114,8 +114,8 @@ def unpack_asm(magic_bits: int) -> str:
 
 # One row unpacks straight to float32: a nibble in bits 16-19 under the exponent of 128.0, whose
 # float32 ulp there is 1, reads as 128 + q; one in bits 12-15 under 2048.0 as 2048 + q. So one shift
-# places two rows (even rows under 128, odd rows under 2048), and the products of the odd rows keep
-# 12 bits fewer of float32's 24 below the offset, still far below the 16-bit output's rounding.
+# places two rows (even rows under 128, odd rows under 2048). The odd rows' sums run 16 times higher,
+# so float32 keeps 4 bits fewer of them: errors about a tenth of a bfloat16 rounding (tests/test_int4_gemv.py).
 F32_MAGIC = {128.0: 0x43000000, 2048.0: 0x45000000}
 F32_ROW_OFFSETS = (128.0, 2048.0) * 4       # by row: even rows, odd rows
 # the rows each shift of the word places (bits 16-19, bits 12-15), and the PTX of the shift
@@ -225,7 +225,7 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
             for j in tl.static_range(WORDS // SUB_WORDS):
                 kw = k0 // 8 + j * SUB_WORDS + sub
                 if EVEN_N:  # whole column tiles load unmasked: the masked load zeroed its registers first and
-                    # held 55 more of them (223 against 168 at 256 columns), AWQ batch 1 2.450 against 2.381 ms
+                    # held 55 more (223 against 168 at 256 columns); AWQ batch 1 2.381 against 2.450 ms masked
                     words = tl.load(qweight_ptr + kw.to(tl.int64)[:, None] * N + cols[None, :])
                 else:
                     words = tl.load(qweight_ptr + kw.to(tl.int64)[:, None] * N + cols[None, :], mask=col_ok[None, :],
