@@ -391,7 +391,8 @@ def int4_gemv_table(args, shapes: dict[str, tuple[int, int]], num_layers: int) -
     for m, t in totals.items():
         print(f"M={m:<3d} four projections x{num_layers} layers: int4 gemv {num_layers * t['gemv'] * 1e3:.2f} ms, "
               f"int_gemm {num_layers * t['int_gemm'] * 1e3:.2f} ms, bf16 {num_layers * t['bf16'] * 1e3:.2f} ms")
-    print(f"int4 GEMV knobs: {int4_gemv_module.DEFAULT_CONFIG} (M>1), {int4_gemv_module.ONE_ROW_CONFIG} "
+    print(f"int4 GEMV knobs: {int4_gemv_module.DEFAULT_CONFIG} (M>1), {int4_gemv_module.ONE_ROW_CONFIG} and from "
+          f"{int4_gemv_module.WIDE_ONE_ROW_MIN_WEIGHTS} weights {int4_gemv_module.WIDE_ONE_ROW_CONFIG} "
           f"(M=1, {int4_gemv_module.ONE_ROW_WARPS_PER_SM} warps per SM); "
           f"PROGRAMS_PER_SM {fp8_gemv_module.PROGRAMS_PER_SM}; GEMV_MAX_ROWS {int4_gemv_module.GEMV_MAX_ROWS}")
 

@@ -224,12 +224,12 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
             x_odd = tl.zeros((SUB_WORDS,), dtype=tl.float32)
             for j in tl.static_range(WORDS // SUB_WORDS):
                 kw = k0 // 8 + j * SUB_WORDS + sub
+                word_ptrs = qweight_ptr + kw.to(tl.int64)[:, None] * N + cols[None, :]
                 if EVEN_N:  # whole column tiles load unmasked: the masked load zeroed its registers first and
                     # held 55 more (223 against 168 at 256 columns); AWQ batch 1 2.381 against 2.450 ms masked
-                    words = tl.load(qweight_ptr + kw.to(tl.int64)[:, None] * N + cols[None, :])
+                    words = tl.load(word_ptrs)
                 else:
-                    words = tl.load(qweight_ptr + kw.to(tl.int64)[:, None] * N + cols[None, :], mask=col_ok[None, :],
-                                    other=0)
+                    words = tl.load(word_ptrs, mask=col_ok[None, :], other=0)
                 w = _unpack_rows_f32(words, F32_ASM, USE_PTX)
                 for i in tl.static_range(8):
                     # word w of the step holds its rows 16i + w (k0 is a multiple of 128)
