@@ -213,8 +213,11 @@ def test_paged_decode_attention_program_orders_agree(splits):
     lens = torch.tensor(context_lens, device=DEVICE)
     by_head, by_seq = (paged_decode_attention(q, k_cache, v_cache, lens, block_tables, 0.125, num_splits=splits,
                                               heads_fastest=order) for order in (True, False))
+    longest_first = paged_decode_attention(q, k_cache, v_cache, lens, block_tables, 0.125, num_splits=splits,
+                                           seq_order=torch.tensor([2, 4, 0, 3, 1], device=DEVICE))
     assert not by_head.isnan().any()
     assert torch.equal(by_head, by_seq)
+    assert torch.equal(by_head, longest_first)
     assert_close(by_head, paged_attention_ref(q, k_cache, v_cache, torch.arange(len(context_lens) + 1, device=DEVICE),
                                               lens, block_tables, 0.125), torch.float32)
 

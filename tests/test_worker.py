@@ -10,6 +10,7 @@ from nanovllm.attention import current_metadata
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import Sequence
 from nanovllm.layers.attention import Attention
+from nanovllm.worker.cuda_graph import longest_context_first
 from nanovllm.worker.kv_cache import KVCache
 from nanovllm.executor.sampling_inputs import build_sampling_tensors
 from nanovllm.executor.step_inputs import build_step_inputs, pending_token_marker
@@ -52,6 +53,11 @@ def test_decode_inputs_encode_the_pending_token():
     assert inputs.context_lens.tolist() == [5, 4]
     assert inputs.block_tables.tolist() == [[4, 8], [3, 0]]  # padded with 0
     assert inputs.logits_indices.tolist() == [0, 1]
+
+
+def test_graph_decode_order_is_longest_context_first_then_padding():
+    order = longest_context_first(np.array([40, 300, 7, 300, 1]), size=8)
+    assert order.tolist() == [1, 3, 0, 2, 4, 5, 6, 7]     # ties keep batch order
 
 
 def test_kv_cache_sizes_and_views():

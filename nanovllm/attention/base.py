@@ -34,9 +34,10 @@ class AttentionBackend:
         return AttentionMetadata(is_prefill, slot_mapping, context_lens, block_tables, cu_seqlens_q.int(),
                                  int(q_lens.max()), bool((host_context_lens > q_lens).any()))
 
-    def decode_metadata(self, slot_mapping: torch.Tensor, context_lens: torch.Tensor,
-                        block_tables: torch.Tensor) -> AttentionMetadata:
-        """Decode metadata over fixed buffers, for capturing a CUDA graph of this batch size."""
+    def decode_metadata(self, slot_mapping: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                        seq_order: torch.Tensor | None = None) -> AttentionMetadata:
+        """Decode metadata over fixed buffers, for capturing a CUDA graph of this batch size.
+        seq_order: the sequences, longest context first (a backend may schedule its work by it)."""
         return AttentionMetadata(False, slot_mapping, context_lens, block_tables)
 
     def multi_token_metadata(self, slot_mapping: torch.Tensor, context_lens: torch.Tensor,

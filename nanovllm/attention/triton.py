@@ -26,6 +26,7 @@ ROTARY_IN_DECODE_MAX_SEQS = 16
 @dataclasses.dataclass(slots=True)
 class TritonMetadata(AttentionMetadata):
     num_splits: int = 1               # decode: context splits per sequence (see paged_decode_attention)
+    seq_order: torch.Tensor | None = None   # decode: the order programs take the sequences in
 
 
 class TritonAttention(AttentionBackend):
@@ -38,9 +39,9 @@ class TritonAttention(AttentionBackend):
                                   host_context_lens, host_cu_seqlens_q)
         return TritonMetadata(*_fields(common), num_splits=self._num_splits(len(host_context_lens)))
 
-    def decode_metadata(self, slot_mapping, context_lens, block_tables) -> TritonMetadata:
+    def decode_metadata(self, slot_mapping, context_lens, block_tables, seq_order=None) -> TritonMetadata:
         return TritonMetadata(False, slot_mapping, context_lens, block_tables,
-                              num_splits=self._num_splits(len(context_lens)))
+                              num_splits=self._num_splits(len(context_lens)), seq_order=seq_order)
 
     def _num_splits(self, num_seqs: int) -> int:
         return decode_num_splits(num_seqs, self.num_kv_heads, self.num_sms, self.cache_dtype)
@@ -51,12 +52,13 @@ class TritonAttention(AttentionBackend):
         return paged_decode_attention(q, kv_store.k_cache, kv_store.v_cache, metadata.context_lens,
                                       metadata.block_tables, scale, metadata.num_splits, k_scale=kv_store.k_scale,
                                       v_scale=kv_store.v_scale, rotary=rotary,
-                                      new_kv=(k, kv_store.value, kv_store.slot_mapping))
+                                      new_kv=(k, kv_store.value, kv_store.slot_mapping), seq_order=metadata.seq_order)
 
     def forward(self, q, k, v, k_cache, v_cache, metadata, scale, k_scale=None, v_scale=None):
         if not metadata.is_prefill:
             return paged_decode_attention(q, k_cache, v_cache, metadata.context_lens, metadata.block_tables,
-                                          scale, metadata.num_splits, k_scale=k_scale, v_scale=v_scale)
+                                          scale, metadata.num_splits, k_scale=k_scale, v_scale=v_scale,
+                                          seq_order=metadata.seq_order)
         if metadata.has_cached_context:
             return paged_prefill_attention(q, k_cache, v_cache, metadata.cu_seqlens_q, metadata.max_seqlen_q,
                                            metadata.context_lens, metadata.block_tables, scale, k_scale=k_scale,

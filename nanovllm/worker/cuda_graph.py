@@ -32,6 +32,12 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [b for b in (1, 2, 4, 8) if b < largest] + list(range(16, largest, 16)) + [largest]
 
 
+def longest_context_first(context_lens: np.ndarray, size: int) -> np.ndarray:
+    """The order in which decode attention takes a batch padded to `size` sequences: longest context
+    first, so that the last wave of programs is the shortest, and the padding (which reads nothing) last."""
+    return np.concatenate([np.argsort(-context_lens, kind="stable"), np.arange(len(context_lens), size)])
+
+
 class StepGraphs:
     def __init__(self, model: nn.Module, backend: AttentionBackend, max_num_seqs: int, max_blocks_per_seq: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device, query_len: int = 1, pool=None,
@@ -42,8 +48,8 @@ class StepGraphs:
         self.width = max_blocks_per_seq + query_len - 1
         largest = self.sizes[-1]
         rows = largest * query_len
-        # one int64 buffer: input ids, positions, slots, context lengths, block tables
-        self.inputs = torch.zeros(rows * 3 + largest * (1 + self.width), dtype=torch.int64, device=device)
+        # one int64 buffer: input ids, positions, slots, context lengths, decode order, block tables
+        self.inputs = torch.zeros(rows * 3 + largest * (2 + self.width), dtype=torch.int64, device=device)
         self.inputs_host = [torch.zeros(self.inputs.shape, dtype=torch.int64).pin_memory()
                             for _ in range(max(2, num_stages))]
         self.cu_seqlens_q = torch.arange(0, rows + 1, query_len, dtype=torch.int32, device=device)
@@ -60,12 +66,14 @@ class StepGraphs:
 
     @torch.inference_mode()
     def _capture(self, model: nn.Module, backend: AttentionBackend, device: torch.device) -> None:
-        input_ids, positions, slot_mapping, context_lens, block_tables = self._views(self.inputs)
+        input_ids, positions, slot_mapping, context_lens, seq_order, block_tables = self._views(self.inputs)
         slot_mapping.fill_(-1)      # the warm-ups and uploads below write no cache slot
         context_lens.fill_(self._padding_context_len)
+        seq_order.copy_(torch.arange(len(seq_order)))
         for size in reversed(self.sizes):
             rows = size * self.query_len
-            metadata = (backend.decode_metadata(slot_mapping[:size], context_lens[:size], block_tables[:size])
+            metadata = (backend.decode_metadata(slot_mapping[:size], context_lens[:size], block_tables[:size],
+                                                seq_order[:size])
                         if self.query_len == 1 else
                         backend.multi_token_metadata(slot_mapping[:rows], context_lens[:size], block_tables[:size],
                                                      self.cu_seqlens_q[:size + 1], self.query_len))
@@ -106,8 +114,8 @@ class StepGraphs:
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         largest = self.sizes[-1]
         rows = largest * self.query_len
-        ids, pos, slots, lens, tables = flat.split([rows] * 3 + [largest, largest * self.width])
-        return [ids, pos, slots, lens, tables.view(largest, self.width)]
+        ids, pos, slots, lens, order, tables = flat.split([rows] * 3 + [largest, largest, largest * self.width])
+        return [ids, pos, slots, lens, order, tables.view(largest, self.width)]
 
     def replay(self, inputs: StepInputs, size: int, read_pending_tokens: Callable[[torch.Tensor], torch.Tensor] | None,
                activations: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -118,9 +126,10 @@ class StepGraphs:
         n, width = inputs.num_seqs, self.query_len
         host = self.inputs_host.pop(0)
         self.inputs_host.append(host)
-        input_ids, positions, slot_mapping, context_lens, block_tables = self._views(host)
+        input_ids, positions, slot_mapping, context_lens, seq_order, block_tables = self._views(host)
         if width == 1:
             token_rows, lens, sampled = slice(0, n), inputs.context_lens, inputs.logits_indices
+            seq_order[:size] = torch.from_numpy(longest_context_first(lens, size))
         else:              # each sequence's tokens to its own rows
             q_lens = np.diff(inputs.cu_seqlens_q)
             shift = np.repeat(np.arange(n) * width - inputs.cu_seqlens_q[:-1], q_lens)
