@@ -218,6 +218,8 @@ def test_paged_decode_attention_program_orders_agree(splits):
     assert not by_head.isnan().any()
     assert torch.equal(by_head, by_seq)
     assert torch.equal(by_head, longest_first)
+    with pytest.raises(ValueError, match="seq_order"):
+        paged_decode_attention(q, k_cache, v_cache, lens, block_tables, 0.125, seq_order=torch.tensor([2, 4]))
     assert_close(by_head, paged_attention_ref(q, k_cache, v_cache, torch.arange(len(context_lens) + 1, device=DEVICE),
                                               lens, block_tables, 0.125), torch.float32)
 

@@ -346,6 +346,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
+    if seq_order is not None and seq_order.shape != (num_seqs,):
+        raise ValueError(f"seq_order must hold one index per sequence ({num_seqs}), got shape {tuple(seq_order.shape)}")
     scales, kv_constexprs = _kv_launch_args(q, k_cache, v_cache, k_scale, v_scale)
     if rotary is not None:
         k_new, v_new, slot_mapping = new_kv
@@ -376,7 +378,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         positions, cos_sin_cache, q_norm, k_norm, eps, k_new, v_new, slot_mapping, k_new.stride(0), v_new.stride(0),
-        q if seq_order is None else seq_order, NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        q if seq_order is None else seq_order,   # q: unused
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=min(tile_tokens, block_size),
         NUM_SPLITS=num_splits, UNSPLIT_TILES=DECODE_UNSPLIT_TILES if unsplit_tiles is None else unsplit_tiles,
         PRECISION=_dot_precision(q.dtype), HEADS_FASTEST=heads_fastest, **kv_constexprs,
