@@ -312,9 +312,10 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, scal
     m, k = x.shape
     n = qweight.shape[1]
     one_row = m == 1 and k * n >= ONE_ROW_MIN_WEIGHTS
-    if config is None:
-        config = DEFAULT_CONFIG if not one_row else \
-            WIDE_ONE_ROW_CONFIG if k * n >= WIDE_ONE_ROW_MIN_WEIGHTS else ONE_ROW_CONFIG
+    if config is None and not one_row:
+        config = DEFAULT_CONFIG
+    elif config is None:
+        config = WIDE_ONE_ROW_CONFIG if k * n >= WIDE_ONE_ROW_MIN_WEIGHTS else ONE_ROW_CONFIG
     block_n, block_k, num_warps, num_stages, sub_words, tile_rows = config
     if not gemv_supported(k, group_size, None, 4, config):
         raise ValueError(f"int4_gemv: group_size {group_size} must be at least 128, divide K = {k} and, when "
