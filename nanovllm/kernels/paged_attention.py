@@ -311,10 +311,10 @@ DECODE_UNSPLIT_TILES = 2
 DECODE_TILE = (128, 4, 2)
 # Left alone, the float8 decode kernel took 193 registers per thread, which fits two programs on a
 # Hopper SM; at 168 three fit without spilling, and on an H100 the kernel ran 7% faster
-# (docs/benchmarks.md). Since it reads values in 16-bit words it stays within 168 by itself with
-# triton 3.6, and the cap keeps it there. A 16-bit cache keeps the compiler's choice: capping it made
-# that kernel slower. Other GPUs keep it too: the cap was measured on Hopper only.
-FP8_DECODE_MAX_REGISTERS = 168
+# (docs/benchmarks.md). With the longest contexts first, 128 beat 168 by 0.9% on bench.py (FP8
+# weights, H200). A 16-bit cache keeps the compiler's choice: capping it made that kernel slower.
+# Other GPUs keep it too: the cap was measured on Hopper only.
+FP8_DECODE_MAX_REGISTERS = 128
 
 
 def _decode_registers(q: torch.Tensor, kv_fp8: bool) -> dict:
