@@ -7,7 +7,7 @@ import torch
 
 from nanovllm.kernels.fp8_primitives import FP8_DTYPE, FP8_MAX
 from nanovllm.kernels.fp8_linear import (MULTI_WAVE_TILE, GemmTile, decode_tile, dequantize_ref, fp8_matmul,
-                                         fp8_matmul_ref, quantize_activation, quantize_activation_ref)
+                                         fp8_matmul_ref, quantize_activation, quantize_activation_ref, two_piece_tile)
 from nanovllm.quantization.fp8 import Fp8LinearMethod
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -124,6 +124,9 @@ def assert_close_to_twin(y, y_ref):
     (20, 64, 512, 512, True, GemmTile(32, 64, 128, 4, 2, 3, True)),   # per-channel, three K splits (the last short)
     (9, 48, 320, 128, False, GemmTile(16, 16, 256, 4, 2, 1, True)),   # K step larger than the group: steps by groups
     (21, 80, 384, 128, True, GemmTile(16, 32, 128, 4, 2, 2, False)),  # not swapped, K split: the same kernel
+    (50, 96, 256, 256, True, GemmTile(32, 32, 64, 4, 2, 1, True, 16)),  # a second piece of 16 tokens: two tiles,
+                                                                        # the second's extra piece past M
+    (45, 80, 384, 128, True, GemmTile(32, 32, 64, 4, 2, 2, True, 16)),  # block scales, two pieces, K split in two
 ])
 def test_tiles_match_twin(dtype, m, n, k, group, bias, tile):
     x, w_q, w_s, b = gemm_case(dtype, m, n, k, group, bias, m + n + k)
@@ -184,8 +187,33 @@ def test_decode_tile_on_an_h100():
     assert decode_tile(256, 24576, 132) == MULTI_WAVE_TILE == GemmTile(256, 64, 128, 8, 5, 1, True)
 
 
+@pytest.mark.parametrize("m, n, k, extra", [
+    (144, 1024, 256, 16),   # several waves on 8 SMs, a second piece of 16 tokens: 128 features a program
+    (176, 1024, 256, 64),   # several waves, a second piece of 64 tokens: 64 features
+    (160, 384, 256, 32),    # one wave
+    (136, 256, 8192, 16),   # half a wave of long rows: K split in two; pieces of 16 tokens or more
+])
+def test_every_two_piece_tile_matches_twin(m, n, k, extra):
+    tile = two_piece_tile(m, n, k, 8)
+    assert tile.extra_m == extra
+    dtype = DTYPES[0]
+    x, w_q, w_s, _ = gemm_case(dtype, m, n, k, k, False, m + n)
+    x_q, x_s = quantize_activation_ref(x, k)
+    assert_close_to_twin(fp8_matmul(x_q, x_s, w_q, w_s, k, dtype, None, tile), fp8_matmul_ref(x_q, x_s, w_q, w_s, k, dtype))
+
+
+def test_two_piece_tiles_of_the_8b_projections_on_an_h100():
+    """The 8B projections' best tiles of the 129-192-token sweep on 132 SMs (docs/benchmarks.md)."""
+    assert two_piece_tile(144, 24576, 4096, 132) == GemmTile(128, 128, 128, 8, 3, 1, True, 16)   # gate_up
+    assert two_piece_tile(192, 24576, 4096, 132) == GemmTile(128, 64, 128, 4, 5, 1, True, 64)
+    assert two_piece_tile(160, 6144, 4096, 132) == GemmTile(128, 64, 128, 4, 5, 1, True, 32)     # qkv
+    assert two_piece_tile(160, 4096, 12288, 132) == GemmTile(128, 64, 128, 4, 5, 2, True, 32)    # down
+    assert two_piece_tile(160, 4096, 4096, 132) is None                                         # o
+    assert two_piece_tile(128, 24576, 4096, 132) is None and two_piece_tile(193, 24576, 4096, 132) is None
+
+
 def decode_tiles_ptxas_log() -> str:
-    """Every tile decode_tile gives the 8B projections on 132 SMs, built for sm_90a as fp8_matmul
+    """Every tile decode_tile and two_piece_tile give the 8B projections on 132 SMs, built for sm_90a as fp8_matmul
     launches it for bfloat16 output (no GPU needed; outside the interpreter, so the test runs this in
     a child): ptxas's report and the shared memory each launch asks for."""
     from nanovllm.kernels.fp8_linear import _fp8_gemm_kernel
@@ -194,9 +222,12 @@ def decode_tiles_ptxas_log() -> str:
                     out_ptr="*bf16", partial_ptr="*fp32", arrivals_ptr="*i32")
     aligned = ["a_ptr", "w_ptr", "out_ptr", "partial_ptr", "N", "K", "K_PER_SPLIT"]
     log = ""
-    for tile in sorted({decode_tile(rows, n, 132) for n in (4096, 6144, 24576) for rows in (1, 17, 33, 65, 129, 256)}):
+    tiles = {decode_tile(rows, n, 132) for n in (4096, 6144, 24576) for rows in (1, 17, 33, 65, 129, 256)}
+    tiles |= {two_piece_tile(rows, n, k, 132) for n, k in ((24576, 4096), (6144, 4096), (4096, 12288))
+              for rows in (144, 176)}
+    for tile in sorted(tiles):
         constants = dict(HAS_BIAS=False, PER_GROUP=False, SPLIT=tile.split_k > 1, SWAPPED=True, BLOCK_M=tile.block_m,
-                         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PDL=True)
+                         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EXTRA_M=tile.extra_m, PDL=True)
         build = sm90a_build(_fp8_gemm_kernel, pointers, constants, aligned, num_warps=tile.num_warps,
                             num_stages=tile.num_stages)
         log += ptxas_report(build.asm["ptx"]) + f"{tuple(tile)} shared memory: {build.metadata.shared} bytes\n"
@@ -216,7 +247,7 @@ def test_decode_tiles_build_for_hopper():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the FP8 method's CUDA routes (the CPU runs the twins)")
-@pytest.mark.parametrize("m", [2, 16, 48, 64, 100, 128, 192, 256, 300])
+@pytest.mark.parametrize("m", [2, 16, 48, 64, 100, 128, 144, 176, 192, 256, 300])
 @pytest.mark.parametrize("n, group", [(6144, 1024), (4096, 1024), (24576, 1024), (6144, 128)])
 def test_fp8_routes_on_cuda_match_twin_at_decode_sizes(m, n, group):
     x, w_q, w_s, b = gemm_case(torch.bfloat16, m, n, 1024, group, True, m + n)

@@ -20,7 +20,7 @@ from nanovllm.quantization.fp8 import (CudaDevice, Fp8BlockLinearMethod, Fp8Chan
 
 H100 = CudaDevice(sms=132, major_capability=9)
 A100 = CudaDevice(sms=108, major_capability=8)
-INPUTS = 256    # two 128-column blocks: block scales have two groups a row (the route does not read K)
+INPUTS = 256    # two 128-column blocks: block scales have two groups a row (K splits only two-piece tiles)
 
 GEMV, GEMM, SCALED_MM, TWIN = Fp8Route("gemv"), Fp8Route("gemm"), Fp8Route("scaled_mm"), Fp8Route("twin")
 
@@ -40,6 +40,11 @@ G16, G32, G64, G128 = transposed(16, 64, 4, 5), transposed(32, 64, 4, 5), transp
 T128_5, T128x128 = transposed(128, 64, 4, 5), transposed(128, 128, 8, 5)
 T256 = transposed(256, 64, 8, 5)
 assert T256.tile == MULTI_WAVE_TILE
+# 129-192 rows of per-channel products: 128 rows and a second piece of the rest rounded up to a power of
+# two, where two_piece_tile has a tile (qkv and gate_up; o's 4096 features keep two 128-row tiles)
+Q144, Q192 = (Fp8Route("transposed", GemmTile(128, 64, 128, 4, 5, 1, True, extra)) for extra in (16, 64))
+G144 = Fp8Route("transposed", GemmTile(128, 128, 128, 8, 3, 1, True, 16))
+G192 = Fp8Route("transposed", GemmTile(128, 64, 128, 4, 5, 1, True, 64))
 
 # layout -> (a method of that layout, the column of the tables below it reads): per-channel, online
 # and per-tensor dynamic scales all become one scale a row, with activations quantized per token
@@ -50,7 +55,7 @@ LAYOUTS = {
     "per-tensor static": (lambda: Fp8TensorLinearMethod(static_input=True), 1),
     "block 128x128": (lambda: Fp8BlockLinearMethod((128, 128)), 2),
 }
-ROWS = (1, 2, 8, 16, 17, 32, 64, 128, 192, 193, 256, 257, 1024)
+ROWS = (1, 2, 8, 16, 17, 32, 64, 128, 144, 192, 193, 256, 257, 1024)
 # bfloat16 on an H100, the Qwen3-8B projections' output features (o_proj and down_proj 4096, qkv_proj
 # 6144, gate_up_proj 24576): features -> {rows: (per-row dynamic, per-tensor static, block)}
 H100_BF16 = {
@@ -63,6 +68,7 @@ H100_BF16 = {
         32: (O32, O32, O32),
         64: (O64, O64, O64),
         128: (O128, O128, O128),
+        144: (T128_5, T128_5, T128_5),
         192: (T128_5, T128_5, T128_5),
         193: (T128_5, T128_5, T128_5),
         256: (T128_5, T128_5, T128_5),
@@ -78,7 +84,8 @@ H100_BF16 = {
         32: (Q32, Q32, Q32),
         64: (Q64, Q64, Q64),
         128: (Q128, Q128, Q128),
-        192: (T128x128, T128x128, T128x128),
+        144: (Q144, Q144, T128x128),
+        192: (Q192, Q192, T128x128),
         193: (T128x128, T128x128, T128x128),
         256: (T128x128, T128x128, T128x128),
         257: (SCALED_MM, SCALED_MM, GEMM),
@@ -93,7 +100,8 @@ H100_BF16 = {
         32: (G32, G32, G32),
         64: (G64, G64, G64),
         128: (G128, G128, G128),
-        192: (T256, T256, T256),
+        144: (G144, G144, T256),
+        192: (G192, G192, T256),
         193: (SCALED_MM, SCALED_MM, T256),
         256: (SCALED_MM, SCALED_MM, T256),
         257: (SCALED_MM, SCALED_MM, GEMM),

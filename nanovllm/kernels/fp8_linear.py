@@ -127,49 +127,15 @@ class GemmTile(NamedTuple):
     num_stages: int
     split_k: int = 1        # programs sharing one tile's K range (float32 sums, one slice each)
     swapped: bool = False   # computed as out^T = w @ x^T
+    extra_m: int = 0        # swapped: tokens of a second piece after block_m, multiplied by the same weight tile
 
 
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, M, N, K,
-                     NUM_GROUPS, GROUP, K_PER_SPLIT,
-                     HAS_BIAS: tl.constexpr, PER_GROUP: tl.constexpr, SPLIT: tl.constexpr, SWAPPED: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """One tile of tokens x output features over one K range. SWAPPED: the tile is computed as
-    out^T = w @ a^T, so the weight's rows fill the matrix cores' tall side and a decode batch still
-    makes enough programs to keep every SM reading the weight (a 128 x 128 tile of tokens x features
-    gives 64 programs for 4096 features at 256 tokens); its programs walk the features first."""
-    wait_for_previous_kernel(PDL)
-    if SWAPPED:
-        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    pid_k = tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
+def _finish_piece(acc, rows, cols, M, N, a_s_ptr, w_s_ptr, bias_ptr, out_ptr, partial_ptr, count, pid_k,
+                  HAS_BIAS: tl.constexpr, PER_GROUP: tl.constexpr, SPLIT: tl.constexpr):
+    """Writes the sums acc [tokens, features] of `rows` x `cols`: scaled per row and column (per-channel
+    scales), the bias added by the first K split, stored, or added with the other splits' at `count`."""
     row_ok, col_ok = rows < M, cols < N
-    k_start = pid_k * K_PER_SPLIT
-    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    for k in range(k_start, k_end, BLOCK_K):
-        k_ok = k + ks < k_end
-        a = tl.load(a_ptr + rows[:, None] * K + k + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + cols[:, None] * K + k + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if PER_GROUP:   # BLOCK_K divides the group: scale each step's products by its group's scales
-            g = k // GROUP
-            a_s = tl.load(a_s_ptr + rows * NUM_GROUPS + g, mask=row_ok, other=0.0)
-            w_s = tl.load(w_s_ptr + cols * NUM_GROUPS + g, mask=col_ok, other=0.0)
-            if SWAPPED:
-                acc += tl.dot(w, tl.trans(a)) * (w_s[:, None] * a_s[None, :])
-            else:
-                acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * w_s[None, :])
-        elif SWAPPED:
-            acc = tl.dot(w, tl.trans(a), acc)
-        else:
-            acc = tl.dot(a, tl.trans(w), acc)
-    if SWAPPED:
-        acc = tl.trans(acc)
     if not PER_GROUP:
         a_s = tl.load(a_s_ptr + rows, mask=row_ok, other=0.0)
         w_s = tl.load(w_s_ptr + cols, mask=col_ok, other=0.0)
@@ -180,10 +146,75 @@ def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, partial_
     offsets = rows[:, None] * N + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT:   # (atomic sums gave wrong tiles now and then here too: split_slices.py)
-        add_split_slices(acc, partial_ptr, out_ptr, offsets, mask, pid_k, tl.num_programs(2), M * N,
-                         arrivals_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1))
+        add_split_slices(acc, partial_ptr, out_ptr, offsets, mask, pid_k, tl.num_programs(2), M * N, count)
     else:
         tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, M, N, K,
+                     NUM_GROUPS, GROUP, K_PER_SPLIT,
+                     HAS_BIAS: tl.constexpr, PER_GROUP: tl.constexpr, SPLIT: tl.constexpr, SWAPPED: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXTRA_M: tl.constexpr,
+                     PDL: tl.constexpr):
+    """One tile of tokens x output features over one K range. SWAPPED: the tile is computed as
+    out^T = w @ a^T, so the weight's rows fill the matrix cores' tall side and a decode batch still
+    makes enough programs to keep every SM reading the weight (a 128 x 128 tile of tokens x features
+    gives 64 programs for 4096 features at 256 tokens); its programs walk the features first.
+    EXTRA_M (swapped only): the tile's tokens are a piece of BLOCK_M and a second of EXTRA_M, both
+    multiplied by each weight tile, so 160 tokens run 128 + 32 wide where one piece (a power of two)
+    would run 256."""
+    wait_for_previous_kernel(PDL)
+    if SWAPPED:
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    pid_k = tl.program_id(2)
+    rows = pid_m * (BLOCK_M + EXTRA_M) + tl.arange(0, BLOCK_M)
+    if EXTRA_M > 0:
+        rows2 = pid_m * (BLOCK_M + EXTRA_M) + BLOCK_M + tl.arange(0, EXTRA_M)
+        acc2 = tl.zeros([BLOCK_N, EXTRA_M], dtype=tl.float32)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok, col_ok = rows < M, cols < N
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    for k in range(k_start, k_end, BLOCK_K):
+        k_ok = k + ks < k_end
+        a = tl.load(a_ptr + rows[:, None] * K + k + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[:, None] * K + k + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if EXTRA_M > 0:
+            a2 = tl.load(a_ptr + rows2[:, None] * K + k + ks[None, :], mask=(rows2 < M)[:, None] & k_ok[None, :],
+                         other=0.0)
+        if PER_GROUP:   # BLOCK_K divides the group: scale each step's products by its group's scales
+            g = k // GROUP
+            a_s = tl.load(a_s_ptr + rows * NUM_GROUPS + g, mask=row_ok, other=0.0)
+            w_s = tl.load(w_s_ptr + cols * NUM_GROUPS + g, mask=col_ok, other=0.0)
+            if SWAPPED:
+                acc += tl.dot(w, tl.trans(a)) * (w_s[:, None] * a_s[None, :])
+                if EXTRA_M > 0:
+                    a_s2 = tl.load(a_s_ptr + rows2 * NUM_GROUPS + g, mask=rows2 < M, other=0.0)
+                    acc2 += tl.dot(w, tl.trans(a2)) * (w_s[:, None] * a_s2[None, :])
+            else:
+                acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * w_s[None, :])
+        elif SWAPPED:
+            acc = tl.dot(w, tl.trans(a), acc)
+            if EXTRA_M > 0:
+                acc2 = tl.dot(w, tl.trans(a2), acc2)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    if SWAPPED:
+        acc = tl.trans(acc)
+    # each piece of a tile counts its K splits in at an arrival count of its own
+    pieces = 2 if EXTRA_M > 0 else 1
+    count = arrivals_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * pieces
+    _finish_piece(acc, rows, cols, M, N, a_s_ptr, w_s_ptr, bias_ptr, out_ptr, partial_ptr, count, pid_k,
+                  HAS_BIAS, PER_GROUP, SPLIT)
+    if EXTRA_M > 0:
+        _finish_piece(tl.trans(acc2), rows2, cols, M, N, a_s_ptr, w_s_ptr, bias_ptr, out_ptr, partial_ptr, count + 1,
+                      pid_k, HAS_BIAS, PER_GROUP, SPLIT)
 
 
 # The transposed tile of grids that take several waves past 128 tokens: 256 tokens a program.
@@ -218,6 +249,24 @@ def decode_tile(m: int, n: int, sms: int) -> GemmTile:
     return MULTI_WAVE_TILE
 
 
+def two_piece_tile(m: int, n: int, k: int, sms: int) -> GemmTile | None:
+    """The transposed tile of two pieces, 128 tokens and the rest rounded up to a power of two, for
+    129-192 tokens of per-channel products [m, k] @ [k, n] on `sms` SMs, where it beats decode_tile's
+    256 tokens wide (8B projections, H200, docs/benchmarks.md); None where decode_tile's is faster."""
+    if not 128 < m <= 192:
+        return None
+    extra = max(16, triton.next_power_of_2(m - 128))     # tl.dot's sides are 16 or more
+    tiles = triton.cdiv(n, 64)
+    if tiles > sms:             # several waves (gate_up: 38 against 54 us at 144 tokens)
+        return GemmTile(128, 128, 128, 8, 3, 1, True, extra) if extra <= 32 else \
+            GemmTile(128, 64, 128, 4, 5, 1, True, extra)
+    if tiles > sms // 2:        # one wave (qkv: 14.6 against 15.8 us at 144)
+        return GemmTile(128, 64, 128, 4, 5, 1, True, extra)
+    if k >= 8192:               # half a wave: K split in two (down: 25.7 against 30.1 us at 144)
+        return GemmTile(128, 64, 128, 4, 5, 2, True, extra)
+    return None                 # o: two 128-token tiles keep twice the programs reading (11.9 against 13.4)
+
+
 def gemm_tile(m: int, group_size: int, per_group: bool) -> GemmTile:
     """Short tiles for decode, tall for prefill."""
     block_k = min(128, group_size) if per_group else 128
@@ -238,7 +287,8 @@ def fp8_matmul(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: tor
     groups = w_s.shape[1]
     per_group = groups > 1
     assert not per_group or (group_size >= 16 and group_size & (group_size - 1) == 0)
-    block_m, block_n, block_k, warps, stages, split_k, swapped = tile or gemm_tile(m, group_size, per_group)
+    block_m, block_n, block_k, warps, stages, split_k, swapped, extra_m = tile or gemm_tile(m, group_size, per_group)
+    assert swapped or not extra_m, "a second piece of tokens needs the transposed tile"
     if per_group:
         block_k = min(block_k, group_size)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
@@ -246,14 +296,14 @@ def fp8_matmul(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: tor
     out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     if m == 0:
         return out
-    tiles = (triton.cdiv(n, block_n), triton.cdiv(m, block_m)) if swapped else \
+    tiles = (triton.cdiv(n, block_n), triton.cdiv(m, block_m + extra_m)) if swapped else \
         (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     grid = (*tiles, split_k)
-    partial, arrivals = split_slices(out, split_k, tiles[0] * tiles[1])
+    partial, arrivals = split_slices(out, split_k, tiles[0] * tiles[1] * (2 if extra_m else 1))
     _fp8_gemm_kernel[grid](x_q, x_s, w_q, w_s, bias if bias is not None else w_s, out, partial, arrivals, m, n, k,
                            groups, group_size, k_per_split, HAS_BIAS=bias is not None, PER_GROUP=per_group,
                            SPLIT=split_k > 1, SWAPPED=swapped, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                           num_warps=warps, num_stages=stages, **pdl_launch(x_q))
+                           EXTRA_M=extra_m, num_warps=warps, num_stages=stages, **pdl_launch(x_q))
     return out
 
 
