@@ -13,10 +13,10 @@ The GEMM sums each group's float8 products in float32 and scales them by a_s[m, 
     y[m, n] = sum_g a_s[m, g] * w_s[n, g] * sum_{k in g} x_q[m, k] * w_q[n, k]
 `quantize_activation_ref` and `fp8_matmul_ref` are the torch twins (dequantize, then a float32
 matmul); they are also the CPU path. The routes: `fp8_matmul` (the Triton kernel, on gemm_tile's
-tiles or, transposed for decode batches, on `decode_tile`'s) and `scaled_mm_per_channel`
-(torch._scaled_mm, row-wise scales, Hopper); a few 16-bit rows skip the quantization and stream the
-weight through fp8_gemv.py. Which one a layer takes for a call is its method's choice
-(nanovllm/quantization/fp8.py, `Fp8LinearMethod.route`).
+tiles or, transposed for decode batches, on `decode_tile`'s or `two_piece_tile`'s) and
+`scaled_mm_per_channel` (torch._scaled_mm, row-wise scales, Hopper); a few 16-bit rows skip the
+quantization and stream the weight through fp8_gemv.py. Which one a layer takes for a call is its
+method's choice (nanovllm/quantization/fp8.py, `Fp8LinearMethod.route`).
 
 The kernel that makes a linear layer's input (RMSNorm, SiLU-and-mul) may quantize it in the same pass
 (`quantize_groups`) and hand the layer a `QuantizedActivation` instead (nanovllm/layers/layernorm.py,

@@ -196,9 +196,9 @@ class Fp8LinearMethod(LinearMethod):
               device: CudaDevice | None, raw_input: bool) -> Fp8Route:
         """The kernel for `rows` tokens of `dtype`, `in_features` wide, into `features` outputs, with
         scales per row and group (per_group) or per row, on `device` (None: off CUDA). Per-channel
-        products of 129-192 tokens take two_piece_tile's tile where it has one. raw_input: x comes unquantized
-        and without a static input scale, so the GEMV may read it as it is. The first rule that
-        fits wins; the constants above say where each was measured."""
+        products of 129-192 tokens take two_piece_tile's tile where it has one. raw_input: x comes
+        unquantized and without a static input scale, so the GEMV may read it as it is. The first
+        rule that fits wins; the constants above say where each was measured."""
         if device is None:
             return Fp8Route("twin")
         if raw_input and rows <= GEMV_MAX_ROWS and dtype != torch.float32:
