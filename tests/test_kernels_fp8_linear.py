@@ -199,7 +199,8 @@ def test_every_two_piece_tile_matches_twin(m, n, k, extra):
     dtype = DTYPES[0]
     x, w_q, w_s, _ = gemm_case(dtype, m, n, k, k, False, m + n)
     x_q, x_s = quantize_activation_ref(x, k)
-    assert_close_to_twin(fp8_matmul(x_q, x_s, w_q, w_s, k, dtype, None, tile), fp8_matmul_ref(x_q, x_s, w_q, w_s, k, dtype))
+    assert_close_to_twin(fp8_matmul(x_q, x_s, w_q, w_s, k, dtype, None, tile),
+                         fp8_matmul_ref(x_q, x_s, w_q, w_s, k, dtype))
 
 
 def test_two_piece_tiles_of_the_8b_projections_on_an_h100():

@@ -213,8 +213,8 @@ def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, partial_
     _finish_piece(acc, rows, cols, M, N, a_s_ptr, w_s_ptr, bias_ptr, out_ptr, partial_ptr, count, pid_k,
                   HAS_BIAS, PER_GROUP, SPLIT)
     if EXTRA_M > 0:
-        _finish_piece(tl.trans(acc2), rows2, cols, M, N, a_s_ptr, w_s_ptr, bias_ptr, out_ptr, partial_ptr, count + 1,
-                      pid_k, HAS_BIAS, PER_GROUP, SPLIT)
+        _finish_piece(tl.trans(acc2), rows2, cols, M, N, a_s_ptr, w_s_ptr, bias_ptr, out_ptr, partial_ptr,
+                      count + 1, pid_k, HAS_BIAS, PER_GROUP, SPLIT)
 
 
 # The transposed tile of grids that take several waves past 128 tokens: 256 tokens a program.
@@ -252,14 +252,15 @@ def decode_tile(m: int, n: int, sms: int) -> GemmTile:
 def two_piece_tile(m: int, n: int, k: int, sms: int) -> GemmTile | None:
     """The transposed tile of two pieces, 128 tokens and the rest rounded up to a power of two, for
     129-192 tokens of per-channel products [m, k] @ [k, n] on `sms` SMs, where it beats decode_tile's
-    256 tokens wide (8B projections, H200, docs/benchmarks.md); None where decode_tile's is faster."""
+    tiles, which run 256 tokens wide (8B projections, H200, docs/benchmarks.md); None where they win."""
     if not 128 < m <= 192:
         return None
     extra = max(16, triton.next_power_of_2(m - 128))     # tl.dot's sides are 16 or more
     tiles = triton.cdiv(n, 64)
-    if tiles > sms:             # several waves (gate_up: 38 against 54 us at 144 tokens)
-        return GemmTile(128, 128, 128, 8, 3, 1, True, extra) if extra <= 32 else \
-            GemmTile(128, 64, 128, 4, 5, 1, True, extra)
+    if tiles > sms and extra <= 32:     # several waves (gate_up: 38.2 against 53.8 us at 144 tokens)
+        return GemmTile(128, 128, 128, 8, 3, 1, True, extra)
+    if tiles > sms:                     # (gate_up: 46.9 against 54.1 us at 176)
+        return GemmTile(128, 64, 128, 4, 5, 1, True, extra)
     if tiles > sms // 2:        # one wave (qkv: 14.6 against 15.8 us at 144)
         return GemmTile(128, 64, 128, 4, 5, 1, True, extra)
     if k >= 8192:               # half a wave: K split in two (down: 25.7 against 30.1 us at 144)
