@@ -175,6 +175,7 @@ def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, partial_
     rows = pid_m * (BLOCK_M + EXTRA_M) + tl.arange(0, BLOCK_M)
     if EXTRA_M > 0:
         rows2 = pid_m * (BLOCK_M + EXTRA_M) + BLOCK_M + tl.arange(0, EXTRA_M)
+        row2_ok = rows2 < M
         acc2 = tl.zeros([BLOCK_N, EXTRA_M], dtype=tl.float32)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -186,8 +187,7 @@ def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, partial_
         a = tl.load(a_ptr + rows[:, None] * K + k + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + cols[:, None] * K + k + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if EXTRA_M > 0:
-            a2 = tl.load(a_ptr + rows2[:, None] * K + k + ks[None, :], mask=(rows2 < M)[:, None] & k_ok[None, :],
-                         other=0.0)
+            a2 = tl.load(a_ptr + rows2[:, None] * K + k + ks[None, :], mask=row2_ok[:, None] & k_ok[None, :], other=0.0)
         if PER_GROUP:   # BLOCK_K divides the group: scale each step's products by its group's scales
             g = k // GROUP
             a_s = tl.load(a_s_ptr + rows * NUM_GROUPS + g, mask=row_ok, other=0.0)
@@ -195,7 +195,7 @@ def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, partial_
             if SWAPPED:
                 acc += tl.dot(w, tl.trans(a)) * (w_s[:, None] * a_s[None, :])
                 if EXTRA_M > 0:
-                    a_s2 = tl.load(a_s_ptr + rows2 * NUM_GROUPS + g, mask=rows2 < M, other=0.0)
+                    a_s2 = tl.load(a_s_ptr + rows2 * NUM_GROUPS + g, mask=row2_ok, other=0.0)
                     acc2 += tl.dot(w, tl.trans(a2)) * (w_s[:, None] * a_s2[None, :])
             else:
                 acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * w_s[None, :])
@@ -259,13 +259,13 @@ def two_piece_tile(m: int, n: int, k: int, sms: int) -> GemmTile | None:
     tiles = triton.cdiv(n, 64)
     if tiles > sms and extra <= 32:     # several waves (gate_up: 38.2 against 53.8 us at 144 tokens)
         return GemmTile(128, 128, 128, 8, 3, 1, True, extra)
-    if tiles > sms:                     # (gate_up: 46.9 against 54.1 us at 176)
+    # one wave (qkv: 14.6 against 15.8 us at 144), or several with a wider second piece (gate_up: 46.9
+    # against 54.1 at 176)
+    if tiles > sms // 2:
         return GemmTile(128, 64, 128, 4, 5, 1, True, extra)
-    if tiles > sms // 2:        # one wave (qkv: 14.6 against 15.8 us at 144)
-        return GemmTile(128, 64, 128, 4, 5, 1, True, extra)
-    if k >= 8192:               # half a wave: K split in two (down: 25.7 against 30.1 us at 144)
+    if k >= 8192:                       # half a wave: K split in two (down: 25.7 against 30.1 us at 144)
         return GemmTile(128, 64, 128, 4, 5, 2, True, extra)
-    return None                 # o: two 128-token tiles keep twice the programs reading (11.9 against 13.4)
+    return None     # o: two 128-token tiles keep twice the programs reading (11.9 against 13.4)
 
 
 def gemm_tile(m: int, group_size: int, per_group: bool) -> GemmTile:
