@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from nanovllm.attention.triton import causal_varlen_attention
 from nanovllm.kernels.paged_attention import (decode_num_splits, paged_attention_ref, paged_decode_attention,
                                               paged_prefill_attention)
 from nanovllm.kernels.rms_norm import rms_norm, rms_norm_ref
@@ -300,6 +301,21 @@ def test_paged_prefill_attention_any_tile(tile):
     out = paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, max(q_lens), lens, block_tables, 0.125, tile)
 
     assert_close(out, paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, lens, block_tables, 0.125), torch.float32)
+
+
+@dtypes
+def test_causal_varlen_attention_shares_each_kv_head_with_its_query_group(dtype):
+    """Plain prefills of packed sequences: q, k, v as the model leaves them (head-strided views of
+    one qkv tensor, four query heads a KV head), 16-bit CUDA tensors through the flash kernel, which
+    reads each K/V head once for its group; the rest through PyTorch's attention a sequence at a time."""
+    q_lens = [1, 37, 130, 64, 5] if CUDA else [1, 9, 20]
+    cu_seqlens = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).int()
+    _, q, k, v = packed_qkv(sum(q_lens), 8, 2, 64, dtype)
+
+    out = causal_varlen_attention(q, k, v, cu_seqlens, max(q_lens), 0.125)
+
+    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        assert_close(out[start:end], dense_attention(q[start:end], k[start:end], v[start:end], 0.125), dtype)
 
 
 # ---------------------------------------------------------------- RMSNorm
