@@ -42,9 +42,13 @@ T256 = transposed(256, 64, 8, 5)
 assert T256.tile == MULTI_WAVE_TILE
 # 129-192 rows of per-channel products: 128 rows and a second piece of the rest rounded up to a power of
 # two, where two_piece_tile has a tile (qkv and gate_up; o's 4096 features keep two 128-row tiles)
-Q144, Q192 = (Fp8Route("transposed", GemmTile(128, 64, 128, 4, 5, 1, True, extra)) for extra in (16, 64))
-G144 = Fp8Route("transposed", GemmTile(128, 128, 128, 8, 3, 1, True, 16))
+Q144, Q160, Q192 = (Fp8Route("transposed", GemmTile(128, 64, 128, 4, 5, 1, True, extra)) for extra in (16, 32, 64))
+G144, G160 = (Fp8Route("transposed", GemmTile(128, 128, 128, 8, 3, 1, True, extra)) for extra in (16, 32))
 G192 = Fp8Route("transposed", GemmTile(128, 64, 128, 4, 5, 1, True, 64))
+# with block scales, 129-160 rows (two_piece_block_tile): 64 features, three stages, K split in two
+# for a second piece of 16 rows (these INPUTS are too few for down_proj's split in three)
+B144, B160 = (Fp8Route("transposed", GemmTile(128, 64, 128, 4, 3, split, True, extra))
+              for split, extra in ((2, 16), (1, 32)))
 
 # layout -> (a method of that layout, the column of the tables below it reads): per-channel, online
 # and per-tensor dynamic scales all become one scale a row, with activations quantized per token
@@ -55,7 +59,7 @@ LAYOUTS = {
     "per-tensor static": (lambda: Fp8TensorLinearMethod(static_input=True), 1),
     "block 128x128": (lambda: Fp8BlockLinearMethod((128, 128)), 2),
 }
-ROWS = (1, 2, 8, 16, 17, 32, 64, 128, 144, 192, 193, 256, 257, 1024)
+ROWS = (1, 2, 8, 16, 17, 32, 64, 128, 144, 160, 192, 193, 256, 257, 1024)
 # bfloat16 on an H100, the Qwen3-8B projections' output features (o_proj and down_proj 4096, qkv_proj
 # 6144, gate_up_proj 24576): features -> {rows: (per-row dynamic, per-tensor static, block)}
 H100_BF16 = {
@@ -69,6 +73,7 @@ H100_BF16 = {
         64: (O64, O64, O64),
         128: (O128, O128, O128),
         144: (T128_5, T128_5, T128_5),
+        160: (T128_5, T128_5, T128_5),
         192: (T128_5, T128_5, T128_5),
         193: (T128_5, T128_5, T128_5),
         256: (T128_5, T128_5, T128_5),
@@ -84,7 +89,8 @@ H100_BF16 = {
         32: (Q32, Q32, Q32),
         64: (Q64, Q64, Q64),
         128: (Q128, Q128, Q128),
-        144: (Q144, Q144, T128x128),
+        144: (Q144, Q144, B144),
+        160: (Q160, Q160, B160),
         192: (Q192, Q192, T128x128),
         193: (T128x128, T128x128, T128x128),
         256: (T128x128, T128x128, T128x128),
@@ -100,7 +106,8 @@ H100_BF16 = {
         32: (G32, G32, G32),
         64: (G64, G64, G64),
         128: (G128, G128, G128),
-        144: (G144, G144, T256),
+        144: (G144, G144, B144),
+        160: (G160, G160, B160),
         192: (G192, G192, T256),
         193: (SCALED_MM, SCALED_MM, T256),
         256: (SCALED_MM, SCALED_MM, T256),

@@ -13,10 +13,10 @@ The GEMM sums each group's float8 products in float32 and scales them by a_s[m, 
     y[m, n] = sum_g a_s[m, g] * w_s[n, g] * sum_{k in g} x_q[m, k] * w_q[n, k]
 `quantize_activation_ref` and `fp8_matmul_ref` are the torch twins (dequantize, then a float32
 matmul); they are also the CPU path. The routes: `fp8_matmul` (the Triton kernel, on gemm_tile's
-tiles or, transposed for decode batches, on `decode_tile`'s or `two_piece_tile`'s) and
-`scaled_mm_per_channel` (torch._scaled_mm, row-wise scales, Hopper); a few 16-bit rows skip the
-quantization and stream the weight through fp8_gemv.py. Which one a layer takes for a call is its
-method's choice (nanovllm/quantization/fp8.py, `Fp8LinearMethod.route`).
+tiles or, transposed for decode batches, on `decode_tile`'s, `two_piece_tile`'s or
+`two_piece_block_tile`'s) and `scaled_mm_per_channel` (torch._scaled_mm, row-wise scales, Hopper);
+a few 16-bit rows skip the quantization and stream the weight through fp8_gemv.py. Which one a
+layer takes for a call is its method's choice (nanovllm/quantization/fp8.py, `Fp8LinearMethod.route`).
 
 The kernel that makes a linear layer's input (RMSNorm, SiLU-and-mul) may quantize it in the same pass
 (`quantize_groups`) and hand the layer a `QuantizedActivation` instead (nanovllm/layers/layernorm.py,
@@ -266,6 +266,20 @@ def two_piece_tile(m: int, n: int, k: int, sms: int) -> GemmTile | None:
     if k >= 8192:                       # half a wave: K split in two (down: 25.7 against 30.1 us at 144)
         return GemmTile(128, 64, 128, 4, 5, 2, True, extra)
     return None     # o: two 128-token tiles keep twice the programs reading (11.9 against 13.4)
+
+
+def two_piece_block_tile(m: int, n: int, k: int, sms: int) -> GemmTile | None:
+    """two_piece_tile for products with block [128, 128] scales: 64 features, 3 stages, for 129-160
+    tokens only. A second piece of 64 tokens lost to decode_tile's tiles on every projection (gate_up
+    152 against 113 us at 176 tokens), and o kept them (24.2 against 28.8 at 160; 8B, H200)."""
+    if not 128 < m <= 160:
+        return None
+    extra = max(16, triton.next_power_of_2(m - 128))
+    if k >= 8192:                       # down: 56.1 / 69.6 against 78.8 / 78.5 us at 144 / 160 tokens
+        return GemmTile(128, 64, 128, 4, 3, 3, True, extra)
+    if triton.cdiv(n, 64) > sms // 2:   # qkv 30.7 / 36.6 against 56.8 / 55.7, gate_up 91.1 / 97.9 against 110.7 / 112.6
+        return GemmTile(128, 64, 128, 4, 3, 2 if extra == 16 else 1, True, extra)
+    return None
 
 
 def gemm_tile(m: int, group_size: int, per_group: bool) -> GemmTile:

@@ -33,7 +33,7 @@ from torch import nn
 from nanovllm.kernels.fp8_gemv import fp8_gemv, sm_count
 from nanovllm.kernels.fp8_linear import (MULTI_WAVE_TILE, GemmTile, decode_tile, decode_waves, fp8_matmul,
                                          fp8_matmul_ref, quantize_activation, quantize_activation_ref,
-                                         scaled_mm_per_channel, two_piece_tile)
+                                         scaled_mm_per_channel, two_piece_block_tile, two_piece_tile)
 from nanovllm.kernels.fp8_primitives import FP8_DTYPE, FP8_MAX, QuantizedActivation, dequantize_ref
 from nanovllm.kernels.triton_compat import cuda_major_capability
 from nanovllm.quantization.base import ModelShape, LinearMethod, QuantizationConfig, UnquantizedLinearMethod, shard_param
@@ -195,18 +195,19 @@ class Fp8LinearMethod(LinearMethod):
     def route(rows: int, in_features: int, features: int, per_group: bool, dtype: torch.dtype,
               device: CudaDevice | None, raw_input: bool) -> Fp8Route:
         """The kernel for `rows` tokens of `dtype`, `in_features` wide, into `features` outputs, with
-        scales per row and group (per_group) or per row, on `device` (None: off CUDA). Per-channel
-        products of 129-192 tokens take two_piece_tile's tile where it has one. raw_input: x comes
-        unquantized and without a static input scale, so the GEMV may read it as it is. The first
-        rule that fits wins; the constants above say where each was measured."""
+        scales per row and group (per_group) or per row, on `device` (None: off CUDA). Products of
+        129-192 tokens take two_piece_tile's tile where it has one (two_piece_block_tile's, 129-160
+        tokens, with block scales). raw_input: x comes unquantized and without a static input scale,
+        so the GEMV may read it as it is. The first rule that fits wins; the constants above say
+        where each was measured."""
         if device is None:
             return Fp8Route("twin")
         if raw_input and rows <= GEMV_MAX_ROWS and dtype != torch.float32:
             return Fp8Route("gemv")
         keeps_plain_tile = per_group and rows <= BLOCK_PLAIN_TILE_MAX_ROWS and decode_waves(features, device.sms) > 1
         if rows <= SWAPPED_MAX_ROWS and not keeps_plain_tile:
-            tile = (None if per_group else two_piece_tile(rows, features, in_features, device.sms)) \
-                or decode_tile(rows, features, device.sms)
+            two_pieces = two_piece_block_tile if per_group else two_piece_tile
+            tile = two_pieces(rows, features, in_features, device.sms) or decode_tile(rows, features, device.sms)
             if per_group or tile != MULTI_WAVE_TILE or rows <= PER_CHANNEL_MULTI_WAVE_MAX_ROWS:
                 return Fp8Route("transposed", tile)
         if not per_group and SCALED_MM_PER_CHANNEL and device.major_capability >= 9 and dtype == torch.bfloat16:
