@@ -172,16 +172,22 @@ def check(dtype: torch.dtype) -> None:
 
 
 def random_fp8_layer(k: int, n: int, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8 [N, K] and float32 scales per row (group_size None) or per row and group, on the GPU."""
+    """float8 [N, K] and float32 scales per row (group_size None) or per row and group, on the GPU,
+    each group_size rows repeating their block's scales as a block layout's do."""
     w = (torch.randn(n, k, device="cuda") * 64).clamp(-448, 448).to(FP8_DTYPE)
-    groups = 1 if group_size is None else -(-k // group_size)
-    return w, torch.rand(n, groups, device="cuda") * 1e-3 + 1e-4
+    if group_size is None:
+        return w, torch.rand(n, 1, device="cuda") * 1e-3 + 1e-4
+    blocks = torch.rand(-(-n // group_size), -(-k // group_size), device="cuda") * 1e-3 + 1e-4
+    return w, blocks.repeat_interleave(group_size, 0)[:n]
 
 
 def chosen_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w: torch.Tensor, s: torch.Tensor, group_size: int,
                 dtype: torch.dtype) -> torch.Tensor:
-    """The GEMM an FP8 layer's method runs on activations that come quantized (the route it picks)."""
-    return Fp8LinearMethod().multiply(QuantizedActivation(x_q, x_s, dtype), w, s, group_size)
+    """The GEMM an FP8 layer's method runs on activations that come quantized (the route it picks).
+    Block scales of the 8B projections lie in whole 128 x 128 blocks, as their layers mark them."""
+    whole_blocks = group_size == 128 and w.shape[0] % 128 == 0 and w.shape[1] % 512 == 0
+    return Fp8LinearMethod().multiply(QuantizedActivation(x_q, x_s, dtype), w, s, group_size,
+                                      whole_blocks=whole_blocks)
 
 
 def w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, group_size: int) -> torch.Tensor:

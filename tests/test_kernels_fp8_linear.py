@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from nanovllm.kernels.fp8_primitives import FP8_DTYPE, FP8_MAX
-from nanovllm.kernels.fp8_linear import (MULTI_WAVE_TILE, GemmTile, decode_tile, dequantize_ref, fp8_matmul,
+from nanovllm.kernels.fp8_linear import (MULTI_WAVE_TILE, GemmTile, block_scaled_mm_available,
+                                         block_scaled_mm_operands, decode_tile, dequantize_ref, fp8_matmul,
                                          fp8_matmul_ref, quantize_activation, quantize_activation_ref,
-                                         two_piece_block_tile, two_piece_tile)
+                                         scaled_mm_blocks, two_piece_block_tile, two_piece_tile)
 from nanovllm.quantization.fp8 import Fp8LinearMethod
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -292,3 +293,39 @@ def test_fp8_routes_on_cuda_match_twin_at_decode_sizes(m, n, group):
     x_q, x_s = quantize_activation_ref(x, group)
     y = Fp8LinearMethod().multiply(x, w_q, w_s, group, bias=b)
     assert_close_to_twin(y, fp8_matmul_ref(x_q, x_s, w_q, w_s, group, torch.bfloat16, b))
+
+
+def whole_block_case(m: int, n: int, k: int, seed: int):
+    """x quantized per token and 128 columns, and a weight whose scales repeat per 128 x 128 block."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * 2).to(DEVICE)
+    w_q, _ = weight(n, k, 128, g)
+    blocks = torch.rand(n // 128, k // 128, generator=g) * 0.01 + 0.001
+    x_q, x_s = quantize_activation_ref(x, 128)
+    return x_q, x_s, w_q, blocks.repeat_interleave(128, 0).to(DEVICE)
+
+
+@pytest.mark.parametrize("m", [5, 16, 37])
+def test_block_scaled_mm_operands_hold_the_block_product(m):
+    """cuBLASLt's operands for block scales (the layouts torch's scaled_mm checks: activation scales
+    column-major, one weight scale a block, rows padded to a multiple of 16 with zeros), multiplied
+    as it reads them (each 1 x 128 and 128 x 128 scale over its block), give the block layout's product."""
+    x_q, x_s, w_q, w_s = whole_block_case(m, 256, 512, m)
+    a, a_s, w_blocks = block_scaled_mm_operands(x_q, x_s, w_s)
+    rows = -(-m // 16) * 16
+    assert a.shape == (rows, 512) and a.dtype == FP8_DTYPE and not a[m:].view(torch.uint8).any()
+    assert a_s.shape == (rows, 4) and a_s.stride() == (1, rows)
+    assert w_blocks.shape == (4, 2) and w_blocks.t().is_contiguous()
+    product = (a.float() * a_s.repeat_interleave(128, 1)) @ \
+        (w_q.float() * w_blocks.t().repeat_interleave(128, 0).repeat_interleave(128, 1)).T
+    assert_close_to_twin(product[:m], fp8_matmul_ref(x_q, x_s, w_q, w_s, 128, torch.float32))
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability()[0] != 9 or not block_scaled_mm_available(),
+                    reason="torch's block-scaled GEMM runs on Hopper, from CUDA 12.9")
+@pytest.mark.parametrize("m", [64, 129, 144, 200, 1037])
+def test_scaled_mm_blocks_matches_twin_on_hopper(m):
+    x_q, x_s, w_q, w_s = whole_block_case(m, 768, 1024, m)
+    b = torch.randn(768, device=DEVICE).to(torch.bfloat16)
+    assert_close_to_twin(scaled_mm_blocks(x_q, x_s, w_q, w_s, torch.bfloat16, b),
+                         fp8_matmul_ref(x_q, x_s, w_q, w_s, 128, torch.bfloat16, b))

@@ -20,7 +20,8 @@ from nanovllm.quantization.fp8 import (CudaDevice, Fp8BlockLinearMethod, Fp8Chan
 
 H100 = CudaDevice(sms=132, major_capability=9)
 A100 = CudaDevice(sms=108, major_capability=8)
-INPUTS = 256    # two 128-column blocks: block scales have two groups a row (K splits only two-piece tiles)
+INPUTS = 256    # two 128-column blocks: block scales have two groups a row (K splits only two-piece tiles),
+                # too short a row of block scales for cuBLASLt (whole_blocks: the last test)
 
 GEMV, GEMM, SCALED_MM, TWIN = Fp8Route("gemv"), Fp8Route("gemm"), Fp8Route("scaled_mm"), Fp8Route("twin")
 
@@ -141,12 +142,14 @@ OTHER_CONDITIONS = {
 }
 
 
-def fp8_layer(method, features: int) -> nn.Module:
-    """A loaded layer of `features` x INPUTS under `method`, its tensors on the CPU (zeros)."""
+def fp8_layer(method, features: int, inputs: int = INPUTS, parts: list[int] | None = None) -> nn.Module:
+    """A loaded layer of `features` x `inputs` under `method` (made of `parts`, by default one), its
+    tensors on the CPU (zeros)."""
     layer = nn.Module()
-    layer.input_size, layer.output_sizes, layer.input_start = INPUTS, [features], 0
+    parts = parts or [features]
+    layer.input_size, layer.output_sizes, layer.input_start = inputs, parts, 0
     layer.quant_method = method
-    method.create_weights(layer, INPUTS, [features], torch.bfloat16)
+    method.create_weights(layer, inputs, parts, torch.bfloat16)
     for param in layer.parameters():
         param.data.zero_()
     method.process_weights_after_loading(layer)
@@ -233,3 +236,45 @@ def test_apply_runs_the_chosen_kernel_on_its_tile(layers, monkeypatch, layout, r
         assert gemm == "scaled_mm"
     else:
         assert gemm == "matmul" and args[7] == route.tile         # None: gemm_tile's tile
+
+
+def test_whole_blocks_from_64_rows_take_cublaslt_on_hopper(monkeypatch):
+    """Block scales of whole 128 x 128 blocks, rows of them 16 bytes or longer, go to torch's
+    block-scaled GEMM from 64 rows in bfloat16 on Hopper, where torch has it; apply hands it the
+    quantized input and the per-row scales (the kernel's math: tests/test_kernels_fp8_linear.py)."""
+    on(monkeypatch, H100)
+    monkeypatch.setattr(fp8_methods, "SCALED_MM_BLOCKS", True)
+    blocks = Fp8Route("scaled_mm_blocks")
+    whole = fp8_layer(Fp8BlockLinearMethod((128, 128)), 6144, inputs=512, parts=[4096, 1024, 1024])
+    route = lambda layer, rows, dtype=torch.bfloat16: chosen_route_of(layer, rows, dtype)
+    assert whole.fp8_whole_blocks
+    assert [route(whole, rows) for rows in (64, 129, 256, 257, 4096)] == [blocks] * 5
+    assert route(whole, 63).kernel == "transposed" and route(whole, 1) == GEMV
+    assert route(whole, 256, torch.float16).kernel == "transposed"
+    on(monkeypatch, A100)
+    assert route(whole, 256).kernel == "transposed"
+    on(monkeypatch, H100)
+    for not_whole in (fp8_layer(Fp8BlockLinearMethod((128, 128)), 6144, inputs=256),        # 8 bytes a row
+                      fp8_layer(Fp8BlockLinearMethod((128, 128)), 6144, 512, [6080, 64]),   # a part mid-block
+                      fp8_layer(Fp8BlockLinearMethod((64, 64)), 6144, inputs=512)):
+        assert not not_whole.fp8_whole_blocks and route(not_whole, 256).kernel == "transposed"
+    monkeypatch.setattr(fp8_methods, "SCALED_MM_BLOCKS", False)   # a torch or CUDA without it
+    assert route(whole, 256).kernel == "transposed"
+
+    monkeypatch.setattr(fp8_methods, "SCALED_MM_BLOCKS", True)
+    calls = []
+    monkeypatch.setattr(fp8_methods, "quantize_activation",
+                        lambda x, group, static: (torch.zeros(x.shape, dtype=FP8_DTYPE), torch.ones(x.shape[0], 4)))
+    monkeypatch.setattr(fp8_methods, "scaled_mm_blocks",
+                        lambda *args: calls.append(args) or torch.zeros(args[0].shape[0], 6144, dtype=torch.bfloat16))
+    assert whole.quant_method.apply(whole, torch.randn(200, 512, dtype=torch.bfloat16)).shape == (200, 6144)
+    (x_q, x_s, weight, scale, dtype, bias), = calls
+    assert x_q.shape == (200, 512) and x_s.shape == (200, 4) and weight is whole.weight
+    assert scale is whole.weight_scale_inv and dtype == torch.bfloat16 and bias is None
+
+
+def chosen_route_of(layer: nn.Module, rows: int, dtype: torch.dtype) -> Fp8Route:
+    """chosen_route for a layer whose method may know its scales are whole blocks (apply's route)."""
+    x = torch.zeros(1, layer.input_size, dtype=dtype).expand(rows, layer.input_size)
+    weight, scale, _, input_scale = layer.quant_method.operands(layer)
+    return layer.quant_method.route_of(x, weight, scale, input_scale, layer.fp8_whole_blocks)

@@ -14,9 +14,10 @@ The GEMM sums each group's float8 products in float32 and scales them by a_s[m, 
 `quantize_activation_ref` and `fp8_matmul_ref` are the torch twins (dequantize, then a float32
 matmul); they are also the CPU path. The routes: `fp8_matmul` (the Triton kernel, on gemm_tile's
 tiles or, transposed for decode batches, on `decode_tile`'s, `two_piece_tile`'s or
-`two_piece_block_tile`'s) and `scaled_mm_per_channel` (torch._scaled_mm, row-wise scales, Hopper);
-a few 16-bit rows skip the quantization and stream the weight through fp8_gemv.py. Which one a
-layer takes for a call is its method's choice (nanovllm/quantization/fp8.py, `Fp8LinearMethod.route`).
+`two_piece_block_tile`'s), `scaled_mm_per_channel` (torch._scaled_mm, row-wise scales, Hopper) and
+`scaled_mm_blocks` (torch's scaled_mm, 128 x 128 blocks, Hopper); a few 16-bit rows skip the
+quantization and stream the weight through fp8_gemv.py. Which one a layer takes for a call is its
+method's choice (nanovllm/quantization/fp8.py, `Fp8LinearMethod.route`).
 
 The kernel that makes a linear layer's input (RMSNorm, SiLU-and-mul) may quantize it in the same pass
 (`quantize_groups`) and hand the layer a `QuantizedActivation` instead (nanovllm/layers/layernorm.py,
@@ -25,6 +26,7 @@ activation.py).
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from nanovllm.kernels.fp8_primitives import (FP8_DTYPE, QuantizedActivation, dequantize_ref, num_groups,
                                              quantize_activation_ref)
@@ -326,3 +328,37 @@ def scaled_mm_per_channel(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tenso
                           out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     """torch._scaled_mm with row-wise scales (Hopper): x_s [M, 1], w_s [N, 1]."""
     return torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=w_s.reshape(1, -1), bias=bias, out_dtype=out_dtype)
+
+
+# torch's scaled_mm takes float8 block scales (1 x 128 for activations, 128 x 128 for weights) on Hopper
+# where it has ScalingType and runs on CUDA 12.9 or later, which cuBLASLt needs for them
+BLOCK_SCALED_MM_ROWS = 16    # rows padded to a multiple of this: the row counts checked on an H200
+
+
+def block_scaled_mm_available() -> bool:
+    cuda = torch.version.cuda
+    return hasattr(F, "scaled_mm") and hasattr(F, "ScalingType") and cuda is not None \
+        and tuple(int(part) for part in cuda.split(".")[:2]) >= (12, 9)
+
+
+def block_scaled_mm_operands(x_q: torch.Tensor, x_s: torch.Tensor,
+                             w_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The operands cuBLASLt takes for block scales, from ours: x_q [M, K] with its rows padded by
+    zeros to a multiple of BLOCK_SCALED_MM_ROWS, their scales x_s [M, K / 128] padded by ones and
+    column-major, and one scale a block, [K / 128, N / 128] (a transposed view), from w_s [N, K / 128]
+    whose every 128 rows repeat their block's scale (the block layout's per-row copies)."""
+    pad = -x_q.shape[0] % BLOCK_SCALED_MM_ROWS
+    if pad:
+        x_q = F.pad(x_q.view(torch.uint8), (0, 0, 0, pad)).view(x_q.dtype)   # byte 0 is e4m3's +0
+        x_s = F.pad(x_s, (0, 0, 0, pad), value=1.0)
+    return x_q, x_s.t().contiguous().t(), w_s[::128].contiguous().t()
+
+
+def scaled_mm_blocks(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
+                     out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """torch's scaled_mm (cuBLASLt) with 128 x 128 weight blocks (block_scaled_mm_available, Hopper):
+    the same product as fp8_matmul's with group_size 128, for w_s in whole blocks."""
+    a, a_s, w_blocks = block_scaled_mm_operands(x_q, x_s, w_s)
+    y = F.scaled_mm(a, w_q.t(), a_s, F.ScalingType.BlockWise1x128, w_blocks, F.ScalingType.BlockWise128x128,
+                    output_dtype=out_dtype)[:x_q.shape[0]]
+    return y if bias is None else y + bias

@@ -31,9 +31,10 @@ import torch
 from torch import nn
 
 from nanovllm.kernels.fp8_gemv import fp8_gemv, sm_count
-from nanovllm.kernels.fp8_linear import (MULTI_WAVE_TILE, GemmTile, decode_tile, decode_waves, fp8_matmul,
-                                         fp8_matmul_ref, quantize_activation, quantize_activation_ref,
-                                         scaled_mm_per_channel, two_piece_block_tile, two_piece_tile)
+from nanovllm.kernels.fp8_linear import (MULTI_WAVE_TILE, GemmTile, block_scaled_mm_available, decode_tile,
+                                         decode_waves, fp8_matmul, fp8_matmul_ref, quantize_activation,
+                                         quantize_activation_ref, scaled_mm_blocks, scaled_mm_per_channel,
+                                         two_piece_block_tile, two_piece_tile)
 from nanovllm.kernels.fp8_primitives import FP8_DTYPE, FP8_MAX, QuantizedActivation, dequantize_ref
 from nanovllm.kernels.triton_compat import cuda_major_capability
 from nanovllm.quantization.base import ModelShape, LinearMethod, QuantizationConfig, UnquantizedLinearMethod, shard_param
@@ -65,6 +66,13 @@ PER_CHANNEL_MULTI_WAVE_MAX_ROWS = 192
 # 1,191); bench.py with the 8B shape, online FP8 and FP8 KV: 10,998 tok/s with it, 9,967 with the
 # Triton kernel.
 SCALED_MM_PER_CHANNEL = True
+# Block-scale products of at least this many tokens on Hopper go to cuBLASLt's block-scaled GEMM where
+# torch has it (SCALED_MM_BLOCKS) and the scales come in whole 128 x 128 blocks. The 8B projections x36
+# on one H200 (2026-12-04), cuBLASLt against the Triton kernel: 32 tokens 3.84 / 3.23 ms, 64 3.90 /
+# 4.25, 128 3.91 / 6.28, 256 4.88 / 11.1, 16,384 181 / 864; bench.py with Qwen3-8B's block FP8
+# weights and FP8 KV 12,336 tok/s from 65 tokens, 11,851 from 129, 6,335-6,505 without it.
+BLOCK_SCALED_MM_MIN_ROWS = 64
+SCALED_MM_BLOCKS = block_scaled_mm_available()
 
 
 class CudaDevice(NamedTuple):
@@ -80,9 +88,9 @@ def cuda_device(t: torch.Tensor) -> CudaDevice | None:
 
 class Fp8Route(NamedTuple):
     """The kernel that multiplies one call: "twin" (the torch twins: the CPU), "gemv" (fp8_gemv on the
-    16-bit rows), "transposed" (fp8_matmul on `tile`), "scaled_mm" (torch._scaled_mm, row-wise scales)
-    or "gemm" (fp8_matmul on gemm_tile's tile). All but the GEMV multiply float8 activations: x is
-    quantized first, unless it comes quantized."""
+    16-bit rows), "transposed" (fp8_matmul on `tile`), "scaled_mm" (torch._scaled_mm, row-wise scales),
+    "scaled_mm_blocks" (torch's scaled_mm, 128 x 128 blocks) or "gemm" (fp8_matmul on gemm_tile's
+    tile). All but the GEMV multiply float8 activations: x is quantized first, unless it comes quantized."""
     kernel: str
     tile: GemmTile | None = None
 
@@ -193,17 +201,21 @@ class Fp8LinearMethod(LinearMethod):
 
     @staticmethod
     def route(rows: int, in_features: int, features: int, per_group: bool, dtype: torch.dtype,
-              device: CudaDevice | None, raw_input: bool) -> Fp8Route:
+              device: CudaDevice | None, raw_input: bool, whole_blocks: bool = False) -> Fp8Route:
         """The kernel for `rows` tokens of `dtype`, `in_features` wide, into `features` outputs, with
         scales per row and group (per_group) or per row, on `device` (None: off CUDA). Products of
         129-192 tokens take two_piece_tile's tile where it has one (two_piece_block_tile's, 129-160
         tokens, with block scales). raw_input: x comes unquantized and without a static input scale,
-        so the GEMV may read it as it is. The first rule that fits wins; the constants above say
-        where each was measured."""
+        so the GEMV may read it as it is. whole_blocks: the scales are 128 x 128 blocks (per row, each
+        of 128 rows repeating its block's) that cuBLASLt can take, from BLOCK_SCALED_MM_MIN_ROWS. The
+        first rule that fits wins; the constants above say where each was measured."""
         if device is None:
             return Fp8Route("twin")
         if raw_input and rows <= GEMV_MAX_ROWS and dtype != torch.float32:
             return Fp8Route("gemv")
+        if whole_blocks and SCALED_MM_BLOCKS and rows >= BLOCK_SCALED_MM_MIN_ROWS and \
+                device.major_capability == 9 and dtype == torch.bfloat16:
+            return Fp8Route("scaled_mm_blocks")
         keeps_plain_tile = per_group and rows <= BLOCK_PLAIN_TILE_MAX_ROWS and decode_waves(features, device.sms) > 1
         if rows <= SWAPPED_MAX_ROWS and not keeps_plain_tile:
             two_pieces = two_piece_block_tile if per_group else two_piece_tile
@@ -215,24 +227,25 @@ class Fp8LinearMethod(LinearMethod):
         return Fp8Route("gemm")
 
     def route_of(self, x: torch.Tensor | QuantizedActivation, weight: torch.Tensor, scale: torch.Tensor,
-                 input_scale: torch.Tensor | None) -> Fp8Route:
+                 input_scale: torch.Tensor | None, whole_blocks: bool = False) -> Fp8Route:
         """`route` for x [M, K] (or a QuantizedActivation) times these operands."""
         quantized = isinstance(x, QuantizedActivation)
         rows = x.q if quantized else x
         return self.route(rows.shape[0], weight.shape[1], weight.shape[0], scale.shape[1] > 1, x.dtype,
-                          cuda_device(rows), raw_input=not quantized and input_scale is None)
+                          cuda_device(rows), raw_input=not quantized and input_scale is None,
+                          whole_blocks=whole_blocks)
 
     def multiply(self, x: torch.Tensor | QuantizedActivation, weight: torch.Tensor, scale: torch.Tensor,
                  group_size: int, input_scale: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, whole_blocks: bool = False) -> torch.Tensor:
         """x [..., K] 16/32-bit -> [..., N] in x's dtype by the route's kernel. x may come quantized
         already (a QuantizedActivation [M, K] in this layer's group size): then only the GEMM runs."""
         if isinstance(x, QuantizedActivation):
-            return self.float8_product(self.route_of(x, weight, scale, input_scale), x.q, x.scale, weight, scale,
-                                       group_size, x.dtype, bias)
+            return self.float8_product(self.route_of(x, weight, scale, input_scale, whole_blocks), x.q, x.scale,
+                                       weight, scale, group_size, x.dtype, bias)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        route = self.route_of(x, weight, scale, input_scale)
+        route = self.route_of(x, weight, scale, input_scale, whole_blocks)
         if route.kernel == "gemv":
             y = fp8_gemv(rows_contiguous(x), weight, scale, group_size, bias)
         else:
@@ -252,6 +265,8 @@ class Fp8LinearMethod(LinearMethod):
             return fp8_matmul_ref(x_q, x_s, weight, scale, group_size, out_dtype, bias)
         if route.kernel == "scaled_mm":
             return scaled_mm_per_channel(x_q, x_s, weight, scale, out_dtype, bias)
+        if route.kernel == "scaled_mm_blocks":
+            return scaled_mm_blocks(x_q, x_s, weight, scale, out_dtype, bias)
         return fp8_matmul(x_q, x_s, weight, scale, group_size, out_dtype, bias, route.tile)  # transposed or gemm
 
     def apply(self, layer, x, bias=None):
@@ -280,9 +295,16 @@ class Fp8BlockLinearMethod(Fp8LinearMethod):
         layer.weight_scale_inv = shard_param(torch.empty(sum(output_sizes), blocks, dtype=torch.float32),
                                              output_dim=0, input_dim=1, units={1: self.block_k},
                                              checkpoint_units={0: self.block_n, 1: self.block_k})
+        # whole 128 x 128 blocks in this shard, every part starting a block, and a row of block
+        # scales a multiple of 16 bytes (as in the shapes checked on an H200): cuBLASLt can take them
+        layer.fp8_whole_blocks = self.block_n == self.block_k == 128 and start % 128 == 0 and \
+            input_size % 512 == 0 and all(size % 128 == 0 for size in output_sizes)
 
     def operands(self, layer):
         return layer.weight, layer.weight_scale_inv, layer.fp8_group_size, None
+
+    def apply(self, layer, x, bias=None):
+        return self.multiply(x, *self.operands(layer), bias=bias, whole_blocks=layer.fp8_whole_blocks)
 
     def fused_input_group_size(self, layer):
         return layer.fp8_group_size
