@@ -13,7 +13,11 @@ it: on one H200 (2026-12-02) the 8B projections x36 at 96 / 128 / 160 / 192 / 25
 5.31 / 8.05 / 7.84 / 8.01 ms against int4_gemm's 5.51 / 5.72 / 8.96 / 8.94 / 8.68. At 129-160 rows
 the tile is one x piece of 128 rows and a second of 32, both multiplied by each dequantized weight
 tile (x36 at 136 / 160 rows 6.61 / 6.77 ms against 8.22 / 7.70 in two 128-row tiles; H200,
-2026-12-03). Fewer rows take x
+2026-12-03). Past 160 rows, 256-row tiles where each program keeps 24 steps of K (wide_tile_pays).
+From 65 rows the programs run whole tiles in full waves and split only the last wave's tiles
+(balanced_split): gate_up's 192 tiles of 128 columns left 60 SMs idle for a whole tile's time. x36 on
+one H200 (2026-12-04) at 96 / 128 / 160 / 192 / 256 rows 4.41 / 4.61 / 6.28 / 6.70 / 7.01 ms against
+4.72 / 4.95 / 6.79 / 7.35 / 7.45. Fewer rows take x
 tiles of 8, 16, 32 or 64 rows (the products as wide, K split to about three programs per SM up to 16
 rows, two above): the 8B projections x36 on one H200 at 8 / 16 rows
 2.12 / 2.28 ms against int4_gemv's 2.50 / 2.62 (the 4-stage ring keeps more weight bytes in flight
@@ -24,7 +28,7 @@ without one.
 """
 import torch
 
-from nanovllm.kernels.int4_gemm import dequantize_asm, gemm_supported, k_splits, launch_for
+from nanovllm.kernels.int4_gemm import dequantize_asm, gemm_supported, k_splits
 from nanovllm.kernels.fp8_gemv import sm_count
 from nanovllm.kernels.int_gemm import STEP
 from nanovllm.kernels.triton_compat import cuda_major_capability, triton
@@ -45,28 +49,59 @@ except (ImportError, AttributeError):    # no Triton, or one whose Gluon lacks t
 BLOCK_N, BLOCK_M, STAGES, NUM_WARPS = 128, 128, 4, 8
 # Up to 64 rows the x tile is the rows rounded up to 8, 16, 32 or 64 (the products as wide), K split
 # until about this many programs per SM: the best split of each 8B projection on one H200, or within
-# 4% (docstring); from 65 rows 128-row tiles split as int4_gemm's launch_for
+# 4% (docstring); from 65 rows 128-row tiles, one program an SM, scheduled by balanced_split
 FEW_ROWS_MAX, FEW_ROWS_PROGRAMS_PER_SM = 16, 3
 SMALL_TILE_MAX, SMALL_TILE_PROGRAMS_PER_SM = 64, 2
 # 129-160 rows take one x tile of a 128-row piece and a 32-row one, so the products are as wide as
 # the rows need and each weight is dequantized once, not once per 128-row tile. (64 + 32 at 65-96
 # rows and 128 + 64 at 161-192 did not pay: docs/benchmarks.md.)
 EXTRA_ROWS = 32
+# Past 128 + EXTRA_ROWS rows, x tiles of 256 rows (the widest product), each weight dequantized once,
+# where each program still runs WIDE_MIN_STEPS steps of K (8B on an H200, x36 at 192 rows: gate_up
+# 85.0 / down 45.4 against 96.1 / 51.2 us in 128-row tiles; o, split in 4, 24.4 against 22.9); the
+# x buffers take the shared memory of WIDE_STAGES steps
+WIDE_ROWS, WIDE_STAGES, WIDE_MIN_STEPS = 256, 3, 24
+MAX_TAIL_SPLITS = 4
 
 
-def rows_tile(m: int) -> tuple[int, int]:
-    """The x tile for m rows: the rows of its main piece and of a second, narrower one (or 0)."""
+def rows_tile(m: int, n: int, k: int, sms: int) -> tuple[int, int]:
+    """The x tile for an [m, k] @ [k, n] product on `sms` SMs: the rows of its main piece and of a
+    second, narrower one (or 0)."""
     if m <= SMALL_TILE_MAX:
         return next(tile for tile in (8, 16, 32, 64) if m <= tile), 0
-    return BLOCK_M, EXTRA_ROWS if BLOCK_M < m <= BLOCK_M + EXTRA_ROWS else 0
+    if m <= BLOCK_M + EXTRA_ROWS:
+        return BLOCK_M, EXTRA_ROWS if m > BLOCK_M else 0
+    return (WIDE_ROWS, 0) if wide_tile_pays(m, n, k, sms) else (BLOCK_M, 0)
 
 
-def split_for(m: int, n: int, k: int, device: torch.device) -> int:
-    """How many K splits for an [m, k] @ [k, n] product."""
-    if m > SMALL_TILE_MAX:   # one tile that holds every row (up to 128 + EXTRA_ROWS) splits as 128 rows
-        return launch_for(BLOCK_M if sum(rows_tile(m)) >= m else m, n, k)[1]
+def wide_tile_pays(m: int, n: int, k: int, sms: int) -> bool:
+    """Whether 256-row tiles leave each program WIDE_MIN_STEPS steps of K once balanced_split has
+    split them to fill the SMs (below that the split sums cost more than dequantizing once saves)."""
+    k_steps = k // STEP
+    whole, splits = balanced_split(triton.cdiv(m, WIDE_ROWS) * triton.cdiv(n, BLOCK_N), k_steps, sms)
+    return (k_steps if whole else k_steps // splits) >= WIDE_MIN_STEPS
+
+
+def balanced_split(tiles: int, k_steps: int, sms: int) -> tuple[int, int]:
+    """(tiles whose program runs K whole, the K splits of each of the rest) for a grid of one program an
+    SM. A grid of fewer tiles than SMs splits every tile until about one program an SM; a larger one
+    runs whole tiles in full waves and splits the last wave's tiles, when they fill less than half of
+    it, so they end with the rest (gate_up's 192 tiles: 132 whole, 60 in halves)."""
+    waves, tail = divmod(tiles, sms)
+    splits = min(MAX_TAIL_SPLITS, k_steps, sms // tail if tail else 1)
+    if waves == 0 or splits < 2:
+        return (0, splits) if waves == 0 else (tiles, 1)
+    return tiles - tail, splits
+
+
+def schedule(m: int, n: int, k: int, device: torch.device) -> tuple[int, int]:
+    """(whole-K tiles, K splits of the others) for an [m, k] @ [k, n] product in rows_tile's tiles."""
+    sms = sm_count(device)
+    if m > SMALL_TILE_MAX:
+        tiles = triton.cdiv(m, sum(rows_tile(m, n, k, sms))) * triton.cdiv(n, BLOCK_N)
+        return balanced_split(tiles, k // STEP, sms)
     per_sm = FEW_ROWS_PROGRAMS_PER_SM if m <= FEW_ROWS_MAX else SMALL_TILE_PROGRAMS_PER_SM
-    return max(1, round(per_sm * sm_count(device) / triton.cdiv(n, BLOCK_N)))
+    return 0, max(1, round(per_sm * sms / triton.cdiv(n, BLOCK_N)))
 
 
 def takes(x: torch.Tensor) -> bool:
@@ -119,31 +154,65 @@ if HAS_GLUON:
         return offsets, gl.expand_dims(rows < M, 0) & gl.expand_dims(cols < N, 1)
 
     @gluon.jit
-    def _store_piece(piece, row0, off_n, M, N, out_ptr, partial_ptr, SPLIT: gl.constexpr):
-        """out^T's piece [BLOCK_N, R] from row0: added into the split's float32 sums, or stored."""
+    def _store_piece(piece, row0, off_n, M, N, out_ptr, partial_ptr, SPLIT: gl.constexpr, split):
+        """out^T's piece [BLOCK_N, R] from row0: added into the split's float32 sums (split: this program's
+        tile is split; SPLIT: some tile of the launch is, so partial_ptr is float32), or stored."""
         offsets, mask = _piece_offsets(piece, row0, off_n, M, N)
         if SPLIT:
-            gl.atomic_add(partial_ptr + offsets, piece, mask=mask, sem="relaxed")
+            if split:
+                gl.atomic_add(partial_ptr + offsets, piece, mask=mask, sem="relaxed")
+            else:
+                gl.store(out_ptr + offsets, piece.to(out_ptr.dtype.element_ty), mask=mask)
         else:
             gl.store(out_ptr + offsets, piece.to(out_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
-    def _store_sums(sums, row0, off_n, M, N, out_ptr, partial_ptr, SPLIT: gl.constexpr):
-        """out^T's [BLOCK_N, R] sums from row0, in pieces of at most 32 rows: pointers for a wider
-        piece would take every register."""
+    def _store_sums(sums, row0, off_n, M, N, out_ptr, partial_ptr, SPLIT: gl.constexpr, split):
+        """out^T's [BLOCK_N, R] sums (R up to 128) from row0, in pieces of at most 32 rows: pointers for
+        a wider piece would take every register."""
         if sums.shape[1] <= 32:
-            _store_piece(sums, row0, off_n, M, N, out_ptr, partial_ptr, SPLIT)
+            _store_piece(sums, row0, off_n, M, N, out_ptr, partial_ptr, SPLIT, split)
         else:
             halves = _halves(sums)
             for h in gl.static_range(2):
                 quarters = _halves(halves[h])
                 for q in gl.static_range(2):
                     _store_piece(quarters[q], row0 + (2 * h + q) * (sums.shape[1] // 4), off_n, M, N, out_ptr,
-                                 partial_ptr, SPLIT)
+                                 partial_ptr, SPLIT, split)
+
+    @gluon.jit
+    def _store_all_sums(sums, row0, off_n, M, N, out_ptr, partial_ptr, SPLIT: gl.constexpr, split):
+        """_store_sums for sums of up to 256 rows."""
+        if sums.shape[1] <= 128:
+            _store_sums(sums, row0, off_n, M, N, out_ptr, partial_ptr, SPLIT, split)
+        else:
+            halves = _halves(sums)
+            for h in gl.static_range(2):
+                _store_sums(halves[h], row0 + h * (sums.shape[1] // 2), off_n, M, N, out_ptr, partial_ptr, SPLIT,
+                            split)
+
+    @gluon.jit
+    def _finish_split_tile(arrivals, partial_ptr, out_ptr, off_m, off_n, M, N, SPLITS, BLOCK_N: gl.constexpr,
+                           ROWS: gl.constexpr, num_warps: gl.constexpr):
+        """The last of a split tile's programs to arrive writes its sums out and leaves them and the
+        count at zero."""
+        if gl.atomic_add(arrivals, 1, sem="acq_rel") == SPLITS - 1:
+            rows_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
+            FINISH_ROWS: gl.constexpr = min(32, ROWS)
+            for r in gl.static_range(ROWS // FINISH_ROWS):
+                rows = off_m + r * FINISH_ROWS + gl.arange(0, FINISH_ROWS, layout=gl.SliceLayout(1, rows_layout))
+                out_cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, rows_layout))
+                row_offsets = gl.expand_dims(rows, 1) * N + gl.expand_dims(out_cols, 0)
+                row_mask = gl.expand_dims(rows < M, 1) & gl.expand_dims(out_cols < N, 0)
+                total = gl.load(partial_ptr + row_offsets, mask=row_mask, other=0.0, cache_modifier=".cg")
+                gl.store(out_ptr + row_offsets, total.to(out_ptr.dtype.element_ty), mask=row_mask)
+                gl.store(partial_ptr + row_offsets, gl.zeros_like(total), mask=row_mask)
+            gl.store(arrivals, 0)
 
     @gluon.jit
     def _int4_gemm_hopper_kernel(x_desc, x2_desc, w_desc, scales_ptr, zeros_ptr, out_ptr, partial_ptr,
-                                 arrivals_ptr, M, N, K, K_PER_SPLIT, NUM_SPLITS, GROUP_SIZE: gl.constexpr,
+                                 arrivals_ptr, M, N, K, K_PER_SPLIT, M_TILES, WHOLE_TILES, TAIL_SPLITS,
+                                 GROUP_SIZE: gl.constexpr,
                                  BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr,
                                  STAGES: gl.constexpr, SPLIT: gl.constexpr, ASM_LOW: gl.constexpr,
                                  ASM_HIGH: gl.constexpr, num_warps: gl.constexpr):
@@ -157,10 +226,18 @@ if HAS_GLUON:
             reg_bases=[[1, 0], [0, 8], [8, 0]], lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
             warp_bases=[[0, 16], [0, 32], [0, 64]], block_bases=[], shape=[16, BLOCK_N])
         dtype: gl.constexpr = x_desc.dtype
-        pid_m, pid_n = gl.program_id(0), gl.program_id(1)
+        # programs from WHOLE_TILES on take TAIL_SPLITS K ranges of one tile each (balanced_split); a
+        # tile's row tiles lie next to each other, so they read its weights together
+        program = gl.program_id(0)
+        in_tail = (program >= WHOLE_TILES).to(gl.int32)
+        tail = (program - WHOLE_TILES) * in_tail
+        tile = program - tail + tail // TAIL_SPLITS
+        pid_m, pid_n = tile % M_TILES, tile // M_TILES
         off_m, off_n = pid_m * (BLOCK_M + EXTRA_M), pid_n * BLOCK_N
-        k_start = gl.program_id(2) * K_PER_SPLIT
-        steps = gl.maximum(gl.cdiv(gl.minimum(K_PER_SPLIT, K - k_start), 128), 1)
+        k_start = (tail % TAIL_SPLITS) * K_PER_SPLIT
+        k_span = K + in_tail * (K_PER_SPLIT - K)
+        steps = gl.maximum(gl.cdiv(gl.minimum(k_span, K - k_start), 128), 1)
+        split = in_tail * TAIL_SPLITS > 1
 
         x_smem = gl.allocate_shared_memory(dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
         w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -235,33 +312,23 @@ if HAS_GLUON:
         # With K split, the splits add into float32 sums in a zeroed workspace; the last to arrive
         # (counted in as zeroed_workspace.last_to_arrive does, in Gluon's operations) writes the
         # output and leaves sums and count at zero (as int4_gemm)
-        _store_sums(sums, off_m, off_n, M, N, out_ptr, partial_ptr, SPLIT)
+        _store_all_sums(sums, off_m, off_n, M, N, out_ptr, partial_ptr, SPLIT, split)
         if EXTRA_M > 0:
-            _store_sums(sums2, off_m + BLOCK_M, off_n, M, N, out_ptr, partial_ptr, SPLIT)
+            _store_sums(sums2, off_m + BLOCK_M, off_n, M, N, out_ptr, partial_ptr, SPLIT, split)
         if SPLIT:
             _sync_threads()
-            arrivals = arrivals_ptr + pid_n * gl.num_programs(0) + pid_m
-            if gl.atomic_add(arrivals, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                rows_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
-                FINISH_ROWS: gl.constexpr = min(32, BLOCK_M)
-                for r in gl.static_range((BLOCK_M + EXTRA_M) // FINISH_ROWS):
-                    rows = off_m + r * FINISH_ROWS + gl.arange(0, FINISH_ROWS, layout=gl.SliceLayout(1, rows_layout))
-                    out_cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, rows_layout))
-                    row_offsets = gl.expand_dims(rows, 1) * N + gl.expand_dims(out_cols, 0)
-                    row_mask = gl.expand_dims(rows < M, 1) & gl.expand_dims(out_cols < N, 0)
-                    total = gl.load(partial_ptr + row_offsets, mask=row_mask, other=0.0, cache_modifier=".cg")
-                    gl.store(out_ptr + row_offsets, total.to(dtype), mask=row_mask)
-                    gl.store(partial_ptr + row_offsets, gl.zeros_like(total), mask=row_mask)
-                gl.store(arrivals, 0)
+            if split:     # (nested, not `and`: both sides of an `and` would run)
+                _finish_split_tile(arrivals_ptr + tile, partial_ptr, out_ptr, off_m, off_n, M, N, TAIL_SPLITS,
+                                   BLOCK_N, BLOCK_M + EXTRA_M, num_warps)
 
 
-def split_workspace(out: torch.Tensor, grid: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float32 sums and arrival counts of a launch whose grid splits K (grid[2] > 1), zero between
-    calls (the kernel leaves them so); unused placeholders otherwise."""
-    if grid[2] == 1:
+def split_workspace(out: torch.Tensor, tiles: int, split: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 sums and a tile's arrival counts of a launch that splits K, zero between calls
+    (the kernel leaves them so); unused placeholders otherwise."""
+    if not split:
         return out, out
     return (zeroed_workspace(out.device, torch.float32, out.numel()),
-            zeroed_workspace(out.device, torch.int32, grid[0] * grid[1]))
+            zeroed_workspace(out.device, torch.int32, tiles))
 
 
 def x_shared_layout(dtype: torch.dtype, rows: int):
@@ -282,22 +349,26 @@ def int4_gemm_hopper(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if not gemm_supported(k, group_size, None, 4) or qweight.shape[0] * 8 != k:
         raise ValueError(f"int4_gemm_hopper: needs groups of a multiple of {STEP} rows dividing K = {k} and "
                          f"{k // 8} packed rows; got group_size {group_size}, {qweight.shape[0]} packed rows")
-    block_m, extra_m = rows_tile(m)
-    k_per_split, split_k = k_splits(k, split_k or split_for(m, n, k, x.device))
+    block_m, extra_m = rows_tile(m, n, k, sm_count(x.device))
+    m_tiles = triton.cdiv(m, block_m + extra_m)
+    tiles = m_tiles * triton.cdiv(n, BLOCK_N)
+    whole_tiles, split_k = (0, split_k) if split_k else schedule(m, n, k, x.device)
+    k_per_split, split_k = k_splits(k, split_k)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    grid = (triton.cdiv(m, block_m + extra_m), triton.cdiv(n, BLOCK_N), split_k)
-    partial, arrivals = split_workspace(out, grid)
+    programs = whole_tiles + (tiles - whole_tiles) * split_k
+    partial, arrivals = split_workspace(out, tiles, split_k > 1)
     def x_piece(rows: int) -> TensorDescriptor:
         return TensorDescriptor(x, list(x.shape), list(x.stride()), [rows, 64], x_shared_layout(x.dtype, rows))
     x_desc = x_piece(block_m)
     x2_desc = x_piece(extra_m) if extra_m else x_desc   # the kernel reads it only for a second piece
     w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, BLOCK_N],
                               words_shared_layout())
-    _int4_gemm_hopper_kernel[grid](x_desc, x2_desc, w_desc, scales, scaled_zeros, out, partial, arrivals, m, n, k,
-                                   k_per_split, split_k, GROUP_SIZE=group_size, BLOCK_N=BLOCK_N, BLOCK_M=block_m,
-                                   EXTRA_M=extra_m, STAGES=STAGES, SPLIT=split_k > 1,
+    _int4_gemm_hopper_kernel[(programs,)](x_desc, x2_desc, w_desc, scales, scaled_zeros, out, partial, arrivals, m, n,
+                                          k, k_per_split, m_tiles, whole_tiles, split_k, GROUP_SIZE=group_size,
+                                          BLOCK_N=BLOCK_N, BLOCK_M=block_m, EXTRA_M=extra_m,
+                                          STAGES=WIDE_STAGES if block_m == WIDE_ROWS else STAGES, SPLIT=split_k > 1,
                                    ASM_LOW=dequantize_asm(x.dtype, 0), ASM_HIGH=dequantize_asm(x.dtype, 4),
                                    num_warps=NUM_WARPS)
     return out
