@@ -157,6 +157,8 @@ if HAS_GLUON:
     def _store_piece(piece, row0, off_n, M, N, out_ptr, partial_ptr, SPLIT: gl.constexpr, split):
         """out^T's piece [BLOCK_N, R] from row0: added into the split's float32 sums (split: this program's
         tile is split; SPLIT: some tile of the launch is, so partial_ptr is float32), or stored."""
+        # four neighbouring columns a thread, so each thread's adds and stores are one vector
+        piece = gl.convert_layout(piece, gl.BlockedLayout([4, 1], [32, 1], [1, gl.num_warps()], [0, 1]))
         offsets, mask = _piece_offsets(piece, row0, off_n, M, N)
         if SPLIT:
             if split:
