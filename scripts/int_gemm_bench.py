@@ -56,7 +56,7 @@ from nanovllm.kernels.int4_gemv import Int4GemvConfig, int4_gemv
 from nanovllm.kernels.int_dequantize import dequantized_matmul
 from nanovllm.kernels.int_gemm import DECODE_CONFIG, SWAPPED_CONFIGS, LaunchConfig, int_gemm, int_gemm_ref
 from nanovllm.kernels.triton_compat import triton
-from nanovllm.quantization.fp8 import GEMV_MAX_ROWS, Fp8LinearMethod
+from nanovllm.quantization.fp8 import GEMV_MAX_ROWS, Fp8LinearMethod, in_whole_blocks
 from nanovllm.quantization.int_packing import awq_for_gemm, dequantize_awq
 from nanovllm.quantization.weight_only import WeightOnlyIntMethod
 from nanovllm.checkpoints.quantized_checkpoint import quantize_awq
@@ -185,7 +185,7 @@ def chosen_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w: torch.Tensor, s: torch.
                 dtype: torch.dtype) -> torch.Tensor:
     """The GEMM an FP8 layer's method runs on activations that come quantized (the route it picks).
     Block scales of the 8B projections lie in whole 128 x 128 blocks, as their layers mark them."""
-    whole_blocks = group_size == 128 and w.shape[0] % 128 == 0 and w.shape[1] % 512 == 0
+    whole_blocks = in_whole_blocks((group_size, group_size), 0, w.shape[1], [w.shape[0]])
     return Fp8LinearMethod().multiply(QuantizedActivation(x_q, x_s, dtype), w, s, group_size,
                                       whole_blocks=whole_blocks)
 

@@ -60,7 +60,8 @@ def test_last_wave_split_matches_twin(monkeypatch, rows, k, tile, schedule):
     whole and 2 in halves."""
     monkeypatch.setattr(hopper, "sm_count", lambda device: 4)
     n, group_size = 520, 128
-    assert hopper.rows_tile(rows, n, k, 4) == tile and hopper.schedule(rows, n, k, torch.device(DEVICE)) == schedule
+    tiles = -(-rows // sum(tile)) * -(-n // hopper.BLOCK_N)
+    assert hopper.rows_tile(rows, n, k, 4) == tile and hopper.schedule(rows, k, tiles, 4) == schedule
     layer = awq_layer(k, n, group_size, torch.bfloat16, seed=5)
     for seed in range(2):      # the second call finds the workspace the first left zero
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(DEVICE, torch.bfloat16)

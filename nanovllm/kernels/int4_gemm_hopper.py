@@ -8,8 +8,8 @@ TMA into a ring of STAGES buffers, each signalled by an mbarrier; a step's two p
 the words, then 4-7) add into one set of float32 sums and the program waits after each product
 until one is left in flight, so one half is dequantized while the other multiplies. The last product
 is retired inside the loop, not after it: there ptxas moved the epilogue's reads of the sums above
-the wait. From 65 rows 128 x 128 tiles of two warp groups, K split as int4_gemm's `launch_for` splits
-it: on one H200 (2026-12-02) the 8B projections x36 at 96 / 128 / 160 / 192 / 256 rows took 5.06 /
+the wait. From 65 rows 128 x 128 tiles of two warp groups (K then split as int4_gemm's `launch_for`
+split it): on one H200 (2026-12-02) the 8B projections x36 at 96 / 128 / 160 / 192 / 256 rows took 5.06 /
 5.31 / 8.05 / 7.84 / 8.01 ms against int4_gemm's 5.51 / 5.72 / 8.96 / 8.94 / 8.68. At 129-160 rows
 the tile is one x piece of 128 rows and a second of 32, both multiplied by each dequantized weight
 tile (x36 at 136 / 160 rows 6.61 / 6.77 ms against 8.22 / 7.70 in two 128-row tiles; H200,
@@ -94,14 +94,13 @@ def balanced_split(tiles: int, k_steps: int, sms: int) -> tuple[int, int]:
     return tiles - tail, splits
 
 
-def schedule(m: int, n: int, k: int, device: torch.device) -> tuple[int, int]:
-    """(whole-K tiles, K splits of the others) for an [m, k] @ [k, n] product in rows_tile's tiles."""
-    sms = sm_count(device)
+def schedule(m: int, k: int, tiles: int, sms: int) -> tuple[int, int]:
+    """(whole-K tiles, K splits of the others) for m rows and K = k in `tiles` of rows_tile's tiles
+    on `sms` SMs (up to 64 rows one row of tiles, split to about per_sm programs an SM)."""
     if m > SMALL_TILE_MAX:
-        tiles = triton.cdiv(m, sum(rows_tile(m, n, k, sms))) * triton.cdiv(n, BLOCK_N)
         return balanced_split(tiles, k // STEP, sms)
     per_sm = FEW_ROWS_PROGRAMS_PER_SM if m <= FEW_ROWS_MAX else SMALL_TILE_PROGRAMS_PER_SM
-    return 0, max(1, round(per_sm * sms / triton.cdiv(n, BLOCK_N)))
+    return 0, max(1, round(per_sm * sms / tiles))
 
 
 def takes(x: torch.Tensor) -> bool:
@@ -351,10 +350,11 @@ def int4_gemm_hopper(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if not gemm_supported(k, group_size, None, 4) or qweight.shape[0] * 8 != k:
         raise ValueError(f"int4_gemm_hopper: needs groups of a multiple of {STEP} rows dividing K = {k} and "
                          f"{k // 8} packed rows; got group_size {group_size}, {qweight.shape[0]} packed rows")
-    block_m, extra_m = rows_tile(m, n, k, sm_count(x.device))
+    sms = sm_count(x.device)
+    block_m, extra_m = rows_tile(m, n, k, sms)
     m_tiles = triton.cdiv(m, block_m + extra_m)
     tiles = m_tiles * triton.cdiv(n, BLOCK_N)
-    whole_tiles, split_k = (0, split_k) if split_k else schedule(m, n, k, x.device)
+    whole_tiles, split_k = (0, split_k) if split_k else schedule(m, k, tiles, sms)
     k_per_split, split_k = k_splits(k, split_k)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
@@ -371,6 +371,6 @@ def int4_gemm_hopper(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                                           k, k_per_split, m_tiles, whole_tiles, split_k, GROUP_SIZE=group_size,
                                           BLOCK_N=BLOCK_N, BLOCK_M=block_m, EXTRA_M=extra_m,
                                           STAGES=WIDE_STAGES if block_m == WIDE_ROWS else STAGES, SPLIT=split_k > 1,
-                                   ASM_LOW=dequantize_asm(x.dtype, 0), ASM_HIGH=dequantize_asm(x.dtype, 4),
-                                   num_warps=NUM_WARPS)
+                                          ASM_LOW=dequantize_asm(x.dtype, 0), ASM_HIGH=dequantize_asm(x.dtype, 4),
+                                          num_warps=NUM_WARPS)
     return out

@@ -283,6 +283,13 @@ class Fp8LinearMethod(LinearMethod):
         return fp8_gemv(rows_contiguous(x), weight, scale, group_size, bias, gated=True)
 
 
+def in_whole_blocks(block_size: tuple[int, int], input_start: int, input_size: int, output_sizes: list[int]) -> bool:
+    """Whether a shard's block scales lie in whole 128 x 128 blocks that cuBLASLt can take: every part
+    starting a block, and a row of block scales a multiple of 16 bytes (as in the shapes checked on an H200)."""
+    return tuple(block_size) == (128, 128) and input_start % 128 == 0 and input_size % 512 == 0 \
+        and all(size % 128 == 0 for size in output_sizes)
+
+
 class Fp8BlockLinearMethod(Fp8LinearMethod):
     def __init__(self, block_size: tuple[int, int]):
         self.block_n, self.block_k = block_size
@@ -295,10 +302,7 @@ class Fp8BlockLinearMethod(Fp8LinearMethod):
         layer.weight_scale_inv = shard_param(torch.empty(sum(output_sizes), blocks, dtype=torch.float32),
                                              output_dim=0, input_dim=1, units={1: self.block_k},
                                              checkpoint_units={0: self.block_n, 1: self.block_k})
-        # whole 128 x 128 blocks in this shard, every part starting a block, and a row of block
-        # scales a multiple of 16 bytes (as in the shapes checked on an H200): cuBLASLt can take them
-        layer.fp8_whole_blocks = self.block_n == self.block_k == 128 and start % 128 == 0 and \
-            input_size % 512 == 0 and all(size % 128 == 0 for size in output_sizes)
+        layer.fp8_whole_blocks = in_whole_blocks((self.block_n, self.block_k), start, input_size, output_sizes)
 
     def operands(self, layer):
         return layer.weight, layer.weight_scale_inv, layer.fp8_group_size, None
