@@ -31,20 +31,12 @@ import torch
 from nanovllm.kernels.int4_gemm import dequantize_asm, gemm_supported, k_splits
 from nanovllm.kernels.fp8_gemv import sm_count
 from nanovllm.kernels.int_gemm import STEP
+from nanovllm.kernels.hopper_split_tiles import HAS_GLUON, balanced_split, split_workspace
 from nanovllm.kernels.triton_compat import cuda_major_capability, triton
-from nanovllm.kernels.zeroed_workspace import zeroed_workspace
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    HAS_GLUON = True
-    # names that moved between Triton releases (checked on 3.6 and 3.9)
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _sync_threads = getattr(gl, "barrier", None) or gl.thread_barrier
-except (ImportError, AttributeError):    # no Triton, or one whose Gluon lacks these
-    HAS_GLUON = False
+if HAS_GLUON:
+    from nanovllm.kernels.hopper_split_tiles import (TensorDescriptor, gl, gluon, leave_tile, mbarrier, program_tile,
+                                                     sync_threads, tma_load, warpgroup_mma, warpgroup_mma_wait)
 
 BLOCK_N, BLOCK_M, STAGES, NUM_WARPS = 128, 128, 4, 8
 # Up to 64 rows the x tile is the rows rounded up to 8, 16, 32 or 64 (the products as wide), K split
@@ -61,7 +53,6 @@ EXTRA_ROWS = 32
 # 85.0 / down 45.4 against 96.1 / 51.2 us in 128-row tiles; o, split in 4, 24.4 against 22.9); the
 # x buffers take the shared memory of WIDE_STAGES steps
 WIDE_ROWS, WIDE_STAGES, WIDE_MIN_STEPS = 256, 3, 24
-MAX_TAIL_SPLITS = 4
 
 
 def rows_tile(m: int, n: int, k: int, sms: int) -> tuple[int, int]:
@@ -80,18 +71,6 @@ def wide_tile_pays(m: int, n: int, k: int, sms: int) -> bool:
     k_steps = k // STEP
     whole, splits = balanced_split(triton.cdiv(m, WIDE_ROWS) * triton.cdiv(n, BLOCK_N), k_steps, sms)
     return (k_steps if whole else k_steps // splits) >= WIDE_MIN_STEPS
-
-
-def balanced_split(tiles: int, k_steps: int, sms: int) -> tuple[int, int]:
-    """(tiles whose program runs K whole, the K splits of each of the rest) for a grid of one program an
-    SM. A grid of fewer tiles than SMs splits every tile until about one program an SM; a larger one
-    runs whole tiles in full waves and splits the last wave's tiles, when they fill less than half of
-    it, so they end with the rest (gate_up's 192 tiles: 132 whole, 60 in halves)."""
-    waves, tail = divmod(tiles, sms)
-    splits = min(MAX_TAIL_SPLITS, k_steps, sms // tail if tail else 1)
-    if waves == 0 or splits < 2:
-        return (0, splits) if waves == 0 else (tiles, 1)
-    return tiles - tail, splits
 
 
 def schedule(m: int, k: int, tiles: int, sms: int) -> tuple[int, int]:
@@ -132,83 +111,13 @@ if HAS_GLUON:
         nbytes: gl.constexpr = 2 * x_desc.block_type.nbytes + w_desc.block_type.nbytes \
             + (2 * x2_desc.block_type.nbytes if EXTRA_M > 0 else 0)
         mbarrier.expect(ready.index(stage), nbytes)
-        _tma_load(w_desc, [k0 // 8, off_n], ready.index(stage), w_smem.index(stage))
-        _tma_load(x_desc, [off_m, k0], ready.index(stage), x_smem.index(2 * stage))
-        _tma_load(x_desc, [off_m, k0 + 64], ready.index(stage), x_smem.index(2 * stage + 1))
+        tma_load(w_desc, [k0 // 8, off_n], ready.index(stage), w_smem.index(stage))
+        tma_load(x_desc, [off_m, k0], ready.index(stage), x_smem.index(2 * stage))
+        tma_load(x_desc, [off_m, k0 + 64], ready.index(stage), x_smem.index(2 * stage + 1))
         if EXTRA_M > 0:
             off_m2 = off_m + x_desc.block_type.shape[0]
-            _tma_load(x2_desc, [off_m2, k0], ready.index(stage), x2_smem.index(2 * stage))
-            _tma_load(x2_desc, [off_m2, k0 + 64], ready.index(stage), x2_smem.index(2 * stage + 1))
-
-    @gluon.jit
-    def _halves(t):
-        """[R, C] -> its column halves (the column's top bit is a register's: nothing moves)."""
-        return gl.split(gl.permute(gl.reshape(t, [t.shape[0], 2, t.shape[1] // 2]), (0, 2, 1)))
-
-    @gluon.jit
-    def _piece_offsets(piece, row0, off_n, M, N):
-        rows = row0 + gl.arange(0, piece.shape[1], layout=gl.SliceLayout(0, piece.type.layout))
-        cols = off_n + gl.arange(0, piece.shape[0], layout=gl.SliceLayout(1, piece.type.layout))
-        offsets = gl.expand_dims(rows, 0) * N + gl.expand_dims(cols, 1)
-        return offsets, gl.expand_dims(rows < M, 0) & gl.expand_dims(cols < N, 1)
-
-    @gluon.jit
-    def _store_piece(piece, row0, off_n, M, N, out_ptr, partial_ptr, SPLIT: gl.constexpr, split):
-        """out^T's piece [BLOCK_N, R] from row0: added into the split's float32 sums (split: this program's
-        tile is split; SPLIT: some tile of the launch is, so partial_ptr is float32), or stored."""
-        # four neighbouring columns a thread, so each thread's adds and stores are one vector
-        piece = gl.convert_layout(piece, gl.BlockedLayout([4, 1], [32, 1], [1, gl.num_warps()], [0, 1]))
-        offsets, mask = _piece_offsets(piece, row0, off_n, M, N)
-        if SPLIT:
-            if split:
-                gl.atomic_add(partial_ptr + offsets, piece, mask=mask, sem="relaxed")
-            else:
-                gl.store(out_ptr + offsets, piece.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            gl.store(out_ptr + offsets, piece.to(out_ptr.dtype.element_ty), mask=mask)
-
-    @gluon.jit
-    def _store_sums(sums, row0, off_n, M, N, out_ptr, partial_ptr, SPLIT: gl.constexpr, split):
-        """out^T's [BLOCK_N, R] sums (R up to 128) from row0, in pieces of at most 32 rows: pointers for
-        a wider piece would take every register."""
-        if sums.shape[1] <= 32:
-            _store_piece(sums, row0, off_n, M, N, out_ptr, partial_ptr, SPLIT, split)
-        else:
-            halves = _halves(sums)
-            for h in gl.static_range(2):
-                quarters = _halves(halves[h])
-                for q in gl.static_range(2):
-                    _store_piece(quarters[q], row0 + (2 * h + q) * (sums.shape[1] // 4), off_n, M, N, out_ptr,
-                                 partial_ptr, SPLIT, split)
-
-    @gluon.jit
-    def _store_all_sums(sums, row0, off_n, M, N, out_ptr, partial_ptr, SPLIT: gl.constexpr, split):
-        """_store_sums for sums of up to 256 rows."""
-        if sums.shape[1] <= 128:
-            _store_sums(sums, row0, off_n, M, N, out_ptr, partial_ptr, SPLIT, split)
-        else:
-            halves = _halves(sums)
-            for h in gl.static_range(2):
-                _store_sums(halves[h], row0 + h * (sums.shape[1] // 2), off_n, M, N, out_ptr, partial_ptr, SPLIT,
-                            split)
-
-    @gluon.jit
-    def _finish_split_tile(arrivals, partial_ptr, out_ptr, off_m, off_n, M, N, SPLITS, BLOCK_N: gl.constexpr,
-                           ROWS: gl.constexpr, num_warps: gl.constexpr):
-        """The last of a split tile's programs to arrive writes its sums out and leaves them and the
-        count at zero."""
-        if gl.atomic_add(arrivals, 1, sem="acq_rel") == SPLITS - 1:
-            rows_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
-            FINISH_ROWS: gl.constexpr = min(32, ROWS)
-            for r in gl.static_range(ROWS // FINISH_ROWS):
-                rows = off_m + r * FINISH_ROWS + gl.arange(0, FINISH_ROWS, layout=gl.SliceLayout(1, rows_layout))
-                out_cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, rows_layout))
-                row_offsets = gl.expand_dims(rows, 1) * N + gl.expand_dims(out_cols, 0)
-                row_mask = gl.expand_dims(rows < M, 1) & gl.expand_dims(out_cols < N, 0)
-                total = gl.load(partial_ptr + row_offsets, mask=row_mask, other=0.0, cache_modifier=".cg")
-                gl.store(out_ptr + row_offsets, total.to(out_ptr.dtype.element_ty), mask=row_mask)
-                gl.store(partial_ptr + row_offsets, gl.zeros_like(total), mask=row_mask)
-            gl.store(arrivals, 0)
+            tma_load(x2_desc, [off_m2, k0], ready.index(stage), x2_smem.index(2 * stage))
+            tma_load(x2_desc, [off_m2, k0 + 64], ready.index(stage), x2_smem.index(2 * stage + 1))
 
     @gluon.jit
     def _int4_gemm_hopper_kernel(x_desc, x2_desc, w_desc, scales_ptr, zeros_ptr, out_ptr, partial_ptr,
@@ -227,18 +136,8 @@ if HAS_GLUON:
             reg_bases=[[1, 0], [0, 8], [8, 0]], lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
             warp_bases=[[0, 16], [0, 32], [0, 64]], block_bases=[], shape=[16, BLOCK_N])
         dtype: gl.constexpr = x_desc.dtype
-        # programs from WHOLE_TILES on take TAIL_SPLITS K ranges of one tile each (balanced_split); a
-        # tile's row tiles lie next to each other, so they read its weights together
-        program = gl.program_id(0)
-        in_tail = (program >= WHOLE_TILES).to(gl.int32)
-        tail = (program - WHOLE_TILES) * in_tail
-        tile = program - tail + tail // TAIL_SPLITS
-        pid_m, pid_n = tile % M_TILES, tile // M_TILES
+        tile, pid_m, pid_n, k_start, steps, split = program_tile(K, K_PER_SPLIT, M_TILES, WHOLE_TILES, TAIL_SPLITS, 128)
         off_m, off_n = pid_m * (BLOCK_M + EXTRA_M), pid_n * BLOCK_N
-        k_start = (tail % TAIL_SPLITS) * K_PER_SPLIT
-        k_span = K + in_tail * (K_PER_SPLIT - K)
-        steps = gl.maximum(gl.cdiv(gl.minimum(k_span, K - k_start), 128), 1)
-        split = in_tail * TAIL_SPLITS > 1
 
         x_smem = gl.allocate_shared_memory(dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
         w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -300,7 +199,7 @@ if HAS_GLUON:
                 else:
                     warpgroup_mma_wait(num_outstanding=0, deps=(sums,))
             # the buffer the next load fills was read by the last step's products, now retired in every warp
-            _sync_threads()
+            sync_threads()
             if step + STAGES - 1 < steps:
                 _load_step(step + STAGES - 1, k_start, off_m, off_n, x_desc, x2_desc, w_desc, x_smem, x2_smem, w_smem,
                            ready, STAGES, EXTRA_M)
@@ -310,26 +209,10 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
 
-        # With K split, the splits add into float32 sums in a zeroed workspace; the last to arrive
-        # (counted in as zeroed_workspace.last_to_arrive does, in Gluon's operations) writes the
-        # output and leaves sums and count at zero (as int4_gemm)
-        _store_all_sums(sums, off_m, off_n, M, N, out_ptr, partial_ptr, SPLIT, split)
-        if EXTRA_M > 0:
-            _store_sums(sums2, off_m + BLOCK_M, off_n, M, N, out_ptr, partial_ptr, SPLIT, split)
-        if SPLIT:
-            _sync_threads()
-            if split:     # (nested, not `and`: both sides of an `and` would run)
-                _finish_split_tile(arrivals_ptr + tile, partial_ptr, out_ptr, off_m, off_n, M, N, TAIL_SPLITS,
-                                   BLOCK_N, BLOCK_M + EXTRA_M, num_warps)
-
-
-def split_workspace(out: torch.Tensor, tiles: int, split: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float32 sums and a tile's arrival counts of a launch that splits K, zero between calls
-    (the kernel leaves them so); unused placeholders otherwise."""
-    if not split:
-        return out, out
-    return (zeroed_workspace(out.device, torch.float32, out.numel()),
-            zeroed_workspace(out.device, torch.int32, tiles))
+        if EXTRA_M == 0:
+            sums2 = sums
+        leave_tile(sums, sums2, tile, off_m, off_n, M, N, out_ptr, partial_ptr, arrivals_ptr, SPLIT, split, TAIL_SPLITS,
+                   BLOCK_N, BLOCK_M, EXTRA_M, num_warps)
 
 
 def x_shared_layout(dtype: torch.dtype, rows: int):
