@@ -15,8 +15,8 @@ from torch import nn
 import nanovllm.quantization.fp8 as fp8_methods
 from nanovllm.kernels.fp8_linear import MULTI_WAVE_TILE, GemmTile
 from nanovllm.kernels.fp8_primitives import FP8_DTYPE, QuantizedActivation
-from nanovllm.quantization.fp8 import (CudaDevice, Fp8BlockLinearMethod, Fp8ChannelLinearMethod, Fp8OnlineLinearMethod,
-                                       Fp8Route, Fp8TensorLinearMethod)
+from nanovllm.quantization.fp8 import (CudaDevice, Fp8BlockLinearMethod, Fp8ChannelLinearMethod, Fp8LinearMethod,
+                                       Fp8OnlineLinearMethod, Fp8Route, Fp8TensorLinearMethod)
 
 H100 = CudaDevice(sms=132, major_capability=9)
 A100 = CudaDevice(sms=108, major_capability=8)
@@ -278,3 +278,33 @@ def chosen_route_of(layer: nn.Module, rows: int, dtype: torch.dtype) -> Fp8Route
     x = torch.zeros(1, layer.input_size, dtype=dtype).expand(rows, layer.input_size)
     weight, scale, _, input_scale = layer.quant_method.operands(layer)
     return layer.quant_method.route_of(x, weight, scale, input_scale, layer.fp8_whole_blocks)
+
+
+def test_129_to_192_rows_take_the_hopper_gemm_where_each_program_keeps_24_steps(monkeypatch):
+    """Per-row scales of the Qwen3-8B projections at 129-192 rows in bfloat16 on Hopper: qkv, gate_up
+    and down (K split in two: 48 steps each) take fp8_gemm_hopper, o (split in two: 16 steps) keeps its
+    transposed tile, as do block scales, 128 and 193 rows, float16 and an A100; apply hands it the
+    quantized input, the weight, its scales and the bias (the kernel's math: tests/test_fp8_gemm_hopper.py)."""
+    route = lambda rows, k, n, per_group=False, dtype=torch.bfloat16, device=H100: \
+        Fp8LinearMethod.route(rows, k, n, per_group, dtype, device, raw_input=False)
+    qkv, o, gate_up, down = (4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)
+    for rows in (129, 160, 192):
+        assert [route(rows, *shape).kernel for shape in (qkv, o, gate_up, down)] == \
+            ["hopper", "transposed", "hopper", "hopper"]
+    assert route(128, *qkv).kernel == route(193, *qkv).kernel == "transposed"
+    assert route(160, *qkv, per_group=True).kernel == "transposed"
+    assert route(160, *qkv, dtype=torch.float16).kernel == "hopper"
+    assert route(160, *qkv, device=A100).kernel == "transposed"
+
+    on(monkeypatch, H100)
+    calls = []
+    monkeypatch.setattr(fp8_methods, "quantize_activation",
+                        lambda x, group, static: (torch.zeros(x.shape, dtype=FP8_DTYPE), torch.ones(x.shape[0], 1)))
+    monkeypatch.setattr(fp8_methods, "fp8_gemm_hopper",
+                        lambda *args: calls.append(args) or torch.zeros(args[0].shape[0], args[2].shape[0]))
+    layer = fp8_layer(Fp8ChannelLinearMethod(), 6144, inputs=4096)
+    bias = torch.ones(6144, dtype=torch.bfloat16)
+    assert layer.quant_method.apply(layer, torch.randn(160, 4096, dtype=torch.bfloat16), bias).shape == (160, 6144)
+    (x_q, x_s, weight, scale, out_dtype, b), = calls
+    assert x_q.dtype == FP8_DTYPE and x_q.shape == (160, 4096) and x_s.shape == (160, 1)
+    assert weight is layer.weight and scale.shape == (6144, 1) and out_dtype == torch.bfloat16 and b is bias

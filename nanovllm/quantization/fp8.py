@@ -20,9 +20,9 @@ stacked float8 weights with per-row block scales (`Fp8BlockMoEMethod`).
 
 Every layout multiplies through `Fp8LinearMethod`, whose `route` picks the kernel for each call from
 its rows, the scales' layout (per row or per row and group) and the device: the 16-bit GEMV for a
-row (nanovllm/kernels/fp8_gemv.py), the Triton float8 GEMM transposed for decode batches, or
-torch._scaled_mm / the Triton GEMM on gemm_tile's tiles for larger ones
-(nanovllm/kernels/fp8_linear.py); the torch twins on the CPU. The thresholds below say where
+row (nanovllm/kernels/fp8_gemv.py), the Triton float8 GEMM transposed for decode batches (on Hopper
+at 129-192 tokens the Gluon GEMM of nanovllm/kernels/fp8_gemm_hopper.py), or torch._scaled_mm / the
+Triton GEMM on gemm_tile's tiles for larger ones (nanovllm/kernels/fp8_linear.py); the torch twins on the CPU. The thresholds below say where
 each measurement put the switch.
 """
 from typing import NamedTuple
@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from nanovllm.kernels.fp8_gemm_hopper import HAS_GLUON, fp8_gemm_hopper, pays as hopper_gemm_pays
 from nanovllm.kernels.fp8_gemv import fp8_gemv, sm_count
 from nanovllm.kernels.fp8_linear import (MULTI_WAVE_TILE, GemmTile, block_scaled_mm_available, decode_tile,
                                          decode_waves, fp8_matmul, fp8_matmul_ref, quantize_activation,
@@ -73,6 +74,12 @@ SCALED_MM_PER_CHANNEL = True
 # weights and FP8 KV 12,336 tok/s from 65 tokens, 11,851 from 129, 6,335-6,505 without it.
 BLOCK_SCALED_MM_MIN_ROWS = 64
 SCALED_MM_BLOCKS = block_scaled_mm_available()
+# Per-channel products of this many tokens on Hopper take the Gluon GEMM (fp8_gemm_hopper.py) where
+# each of its programs keeps enough steps of K (hopper_gemm_pays: qkv, gate_up, down; not o): the 8B
+# projections x36 at 144 / 192 tokens 3.14 / 3.25 ms against 3.28 / 3.82 on the transposed tiles, and
+# bench.py (online FP8, FP8 KV) 14,272 / 14,294 / 14,243 tok/s against 14,136 / 14,157 / 14,174
+# (H200, 2026-12-04). At 193-256 tokens it lost (14,443 against 14,522 tok/s with 129-192 only).
+HOPPER_GEMM_ROWS = range(129, 193)
 
 
 class CudaDevice(NamedTuple):
@@ -88,7 +95,7 @@ def cuda_device(t: torch.Tensor) -> CudaDevice | None:
 
 class Fp8Route(NamedTuple):
     """The kernel that multiplies one call: "twin" (the torch twins: the CPU), "gemv" (fp8_gemv on the
-    16-bit rows), "transposed" (fp8_matmul on `tile`), "scaled_mm" (torch._scaled_mm, row-wise scales),
+    16-bit rows), "transposed" (fp8_matmul on `tile`), "hopper" (fp8_gemm_hopper), "scaled_mm" (torch._scaled_mm, row-wise scales),
     "scaled_mm_blocks" (torch's scaled_mm, 128 x 128 blocks) or "gemm" (fp8_matmul on gemm_tile's
     tile). All but the GEMV multiply float8 activations: x is quantized first, unless it comes quantized."""
     kernel: str
@@ -204,8 +211,9 @@ class Fp8LinearMethod(LinearMethod):
               device: CudaDevice | None, raw_input: bool, whole_blocks: bool = False) -> Fp8Route:
         """The kernel for `rows` tokens of `dtype`, `in_features` wide, into `features` outputs, with
         scales per row and group (per_group) or per row, on `device` (None: off CUDA). Products of
-        129-192 tokens take two_piece_tile's tile where it has one (two_piece_block_tile's, 129-160
-        tokens, with block scales). raw_input: x comes unquantized and without a static input scale,
+        129-192 tokens take fp8_gemm_hopper with per-row scales on Hopper where it pays, else
+        two_piece_tile's tile where it has one (two_piece_block_tile's, 129-160 tokens, with block
+        scales). raw_input: x comes unquantized and without a static input scale,
         so the GEMV may read it as it is. whole_blocks: the scales are 128 x 128 blocks (per row, each
         of 128 rows repeating its block's) that cuBLASLt can take, from BLOCK_SCALED_MM_MIN_ROWS. The
         first rule that fits wins; the constants above say where each was measured."""
@@ -216,6 +224,9 @@ class Fp8LinearMethod(LinearMethod):
         if whole_blocks and SCALED_MM_BLOCKS and rows >= BLOCK_SCALED_MM_MIN_ROWS and \
                 device.major_capability == 9 and dtype == torch.bfloat16:
             return Fp8Route("scaled_mm_blocks")
+        if not per_group and rows in HOPPER_GEMM_ROWS and HAS_GLUON and device.major_capability == 9 and \
+                in_features % 16 == 0 and hopper_gemm_pays(rows, features, in_features, device.sms):
+            return Fp8Route("hopper")
         keeps_plain_tile = per_group and rows <= BLOCK_PLAIN_TILE_MAX_ROWS and decode_waves(features, device.sms) > 1
         if rows <= SWAPPED_MAX_ROWS and not keeps_plain_tile:
             two_pieces = two_piece_block_tile if per_group else two_piece_tile
@@ -263,6 +274,8 @@ class Fp8LinearMethod(LinearMethod):
         """The product of quantized activations on any route but the GEMV."""
         if route.kernel == "twin":
             return fp8_matmul_ref(x_q, x_s, weight, scale, group_size, out_dtype, bias)
+        if route.kernel == "hopper":
+            return fp8_gemm_hopper(x_q, x_s, weight, scale, out_dtype, bias)
         if route.kernel == "scaled_mm":
             return scaled_mm_per_channel(x_q, x_s, weight, scale, out_dtype, bias)
         if route.kernel == "scaled_mm_blocks":
