@@ -114,3 +114,12 @@ def test_builds_for_hopper():
     assert log.count("0 bytes spill stores") == 2 * len(TILES), log
     # an H100 or H200 gives a program at most 227 KiB of shared memory
     assert max(int(size) for size in re.findall(r"shared memory: (\d+) bytes", log)) <= 227 * 1024, log
+
+
+def test_scales_of_another_layout_are_refused():
+    """Block scales (one a group of K) are fp8_matmul's: this kernel says so rather than misread them."""
+    x_q, w_q = torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.zeros(64, 256, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="x_s"):
+        hopper.fp8_gemm_hopper(x_q, torch.ones(4, 2), w_q, torch.ones(64, 1), torch.bfloat16)
+    with pytest.raises(ValueError, match="w_s"):
+        hopper.fp8_gemm_hopper(x_q, torch.ones(4, 1), w_q, torch.ones(64, 2), torch.bfloat16)

@@ -28,7 +28,7 @@ import torch
 
 from nanovllm.kernels.fp8_gemv import sm_count
 from nanovllm.kernels.hopper_split_tiles import HAS_GLUON, balanced_split, split_workspace
-from nanovllm.kernels.triton_compat import cuda_major_capability, triton
+from nanovllm.kernels.triton_compat import triton
 
 if HAS_GLUON:
     from nanovllm.kernels.hopper_split_tiles import (TensorDescriptor, gl, gluon, leave_tile, mbarrier, program_tile,
@@ -75,13 +75,6 @@ def pays(m: int, n: int, k: int, sms: int) -> bool:
     """Whether each program keeps MIN_STEPS steps of K once the grid is scheduled."""
     _, whole_tiles, splits = schedule(m, n, k, sms)
     return triton.cdiv(k, BLOCK_K) // splits >= MIN_STEPS
-
-
-def takes(x_q: torch.Tensor) -> bool:
-    """Whether fp8_gemm_hopper can multiply these float8 rows: on a Hopper GPU with Gluon, at an address
-    and a row stride TMA can read (16-byte aligned)."""
-    return HAS_GLUON and x_q.is_cuda and cuda_major_capability(x_q) == 9 and x_q.data_ptr() % 16 == 0 \
-        and x_q.stride(1) == 1 and x_q.stride(0) % 16 == 0
 
 
 if HAS_GLUON:
@@ -189,8 +182,9 @@ def operand_layout(rows: int):
 def fp8_gemm_hopper(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
                     out_dtype: torch.dtype, bias: torch.Tensor | None = None,
                     tile: HopperFp8Tile | None = None, split_k: int | None = None) -> torch.Tensor:
-    """fp8_matmul with per-channel scales on a Hopper GPU (takes(x_q)): x_q [M, K] float8 and x_s [M, 1],
-    w_q [N, K] float8 contiguous and w_s [N, 1] -> [M, N] in out_dtype. tile: hopper_tile's by default;
+    """fp8_matmul with per-channel scales on a Hopper GPU: x_q [M, K] float8 and x_s [M, 1], w_q [N, K]
+    float8 contiguous and w_s [N, 1] -> [M, N] in out_dtype, x_q's rows and w_q 16-byte aligned as TMA
+    reads them (fresh tensors, K a multiple of 16). tile: hopper_tile's by default;
     split_k: every tile split in about that many K ranges instead of balanced_split's schedule."""
     m, k = x_q.shape
     n = w_q.shape[0]
