@@ -73,7 +73,7 @@ def schedule(m: int, n: int, k: int, sms: int, tile: HopperFp8Tile | None = None
 
 def pays(m: int, n: int, k: int, sms: int) -> bool:
     """Whether each program keeps MIN_STEPS steps of K once the grid is scheduled."""
-    _, whole_tiles, splits = schedule(m, n, k, sms)
+    splits = schedule(m, n, k, sms)[2]
     return triton.cdiv(k, BLOCK_K) // splits >= MIN_STEPS
 
 
