@@ -67,7 +67,8 @@ def test_pays_where_each_program_keeps_24_steps_of_k():
     qkv, o, gate_up, down = (4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)
     for m in (129, 160, 192, 256):
         assert [hopper.pays(m, n, k, 132) for k, n in (qkv, o, gate_up, down)] == [True, False, True, True]
-    assert hopper.schedule(160, 4096, 12288, 132) == (64, 0, 2) and hopper.schedule(160, 24576, 4096, 132) == (384, 384, 1)
+    assert hopper.schedule(160, 4096, 12288, 132) == (64, 0, 2)
+    assert hopper.schedule(160, 24576, 4096, 132) == (384, 384, 1)
 
 
 def build(tile: hopper.HopperFp8Tile, split: bool):

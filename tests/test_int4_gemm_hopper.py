@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from nanovllm.kernels import int4_gemm_hopper as hopper
+from nanovllm.kernels.hopper_split_tiles import balanced_split
 from nanovllm.kernels.int4_gemm import dequantize_asm
 from nanovllm.kernels.int_gemm import int_gemm_ref
 from tests.test_int4_gemm import compiled_in_child, ptxas_report
@@ -72,13 +73,13 @@ def test_last_wave_split_matches_twin(monkeypatch, rows, k, tile, schedule):
 def test_balanced_split_fills_the_last_wave():
     """The 8B projections on 132 SMs: gate_up's 192 tiles run 132 whole and 60 in halves; qkv's 48
     and o's / down's 32 split to about one program an SM; 384 tiles leave the last wave as it is."""
-    assert hopper.balanced_split(192, 32, 132) == (132, 2)
-    assert hopper.balanced_split(48, 32, 132) == (0, 2)
-    assert hopper.balanced_split(32, 96, 132) == (0, 4)
-    assert hopper.balanced_split(384, 32, 132) == (384, 1)
-    assert hopper.balanced_split(264, 32, 132) == (264, 1)
-    assert hopper.balanced_split(133, 2, 132) == (132, 2)      # no more splits than steps
-    assert hopper.balanced_split(200, 32, 132) == (200, 1)     # a last wave over half full
+    assert balanced_split(192, 32, 132) == (132, 2)
+    assert balanced_split(48, 32, 132) == (0, 2)
+    assert balanced_split(32, 96, 132) == (0, 4)
+    assert balanced_split(384, 32, 132) == (384, 1)
+    assert balanced_split(264, 32, 132) == (264, 1)
+    assert balanced_split(133, 2, 132) == (132, 2)      # no more splits than steps
+    assert balanced_split(200, 32, 132) == (200, 1)     # a last wave over half full
 
 
 def test_rows_tile():

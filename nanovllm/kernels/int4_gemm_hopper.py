@@ -8,9 +8,9 @@ TMA into a ring of STAGES buffers, each signalled by an mbarrier; a step's two p
 the words, then 4-7) add into one set of float32 sums and the program waits after each product
 until one is left in flight, so one half is dequantized while the other multiplies. The last product
 is retired inside the loop, not after it: there ptxas moved the epilogue's reads of the sums above
-the wait. From 65 rows 128 x 128 tiles of two warp groups (K then split as int4_gemm's `launch_for`
-split it): on one H200 (2026-12-02) the 8B projections x36 at 96 / 128 / 160 / 192 / 256 rows took 5.06 /
-5.31 / 8.05 / 7.84 / 8.01 ms against int4_gemm's 5.51 / 5.72 / 8.96 / 8.94 / 8.68. At 129-160 rows
+the wait. From 65 rows 128 x 128 tiles of two warp groups: on one H200 (2026-12-02, K split as
+int4_gemm's then) the 8B projections x36 at 96 / 128 / 160 / 192 / 256 rows took 5.06 / 5.31 /
+8.05 / 7.84 / 8.01 ms against int4_gemm's 5.51 / 5.72 / 8.96 / 8.94 / 8.68. At 129-160 rows
 the tile is one x piece of 128 rows and a second of 32, both multiplied by each dequantized weight
 tile (x36 at 136 / 160 rows 6.61 / 6.77 ms against 8.22 / 7.70 in two 128-row tiles; H200,
 2026-12-03). Past 160 rows, 256-row tiles where each program keeps 24 steps of K (wide_tile_pays).

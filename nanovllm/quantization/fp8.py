@@ -22,8 +22,8 @@ Every layout multiplies through `Fp8LinearMethod`, whose `route` picks the kerne
 its rows, the scales' layout (per row or per row and group) and the device: the 16-bit GEMV for a
 row (nanovllm/kernels/fp8_gemv.py), the Triton float8 GEMM transposed for decode batches (on Hopper
 at 129-192 tokens the Gluon GEMM of nanovllm/kernels/fp8_gemm_hopper.py), or torch._scaled_mm / the
-Triton GEMM on gemm_tile's tiles for larger ones (nanovllm/kernels/fp8_linear.py); the torch twins on the CPU. The thresholds below say where
-each measurement put the switch.
+Triton GEMM on gemm_tile's tiles for larger ones (nanovllm/kernels/fp8_linear.py); the torch twins on
+the CPU. The thresholds below say where each measurement put the switch.
 """
 from typing import NamedTuple
 
@@ -95,9 +95,9 @@ def cuda_device(t: torch.Tensor) -> CudaDevice | None:
 
 class Fp8Route(NamedTuple):
     """The kernel that multiplies one call: "twin" (the torch twins: the CPU), "gemv" (fp8_gemv on the
-    16-bit rows), "transposed" (fp8_matmul on `tile`), "hopper" (fp8_gemm_hopper), "scaled_mm" (torch._scaled_mm, row-wise scales),
-    "scaled_mm_blocks" (torch's scaled_mm, 128 x 128 blocks) or "gemm" (fp8_matmul on gemm_tile's
-    tile). All but the GEMV multiply float8 activations: x is quantized first, unless it comes quantized."""
+    16-bit rows), "transposed" (fp8_matmul on `tile`), "hopper" (fp8_gemm_hopper), "scaled_mm"
+    (torch._scaled_mm, row-wise scales), "scaled_mm_blocks" (torch's scaled_mm, 128 x 128 blocks) or
+    "gemm" (fp8_matmul on gemm_tile's tile). All but the GEMV multiply float8 activations: x is quantized first, unless it comes quantized."""
     kernel: str
     tile: GemmTile | None = None
 
@@ -213,8 +213,8 @@ class Fp8LinearMethod(LinearMethod):
         scales per row and group (per_group) or per row, on `device` (None: off CUDA). Products of
         129-192 tokens take fp8_gemm_hopper with per-row scales on Hopper where it pays, else
         two_piece_tile's tile where it has one (two_piece_block_tile's, 129-160 tokens, with block
-        scales). raw_input: x comes unquantized and without a static input scale,
-        so the GEMV may read it as it is. whole_blocks: the scales are 128 x 128 blocks (per row, each
+        scales). raw_input: x comes unquantized and without a static input scale, so the GEMV may
+        read it as it is. whole_blocks: the scales are 128 x 128 blocks (per row, each
         of 128 rows repeating its block's) that cuBLASLt can take, from BLOCK_SCALED_MM_MIN_ROWS. The
         first rule that fits wins; the constants above say where each was measured."""
         if device is None:
