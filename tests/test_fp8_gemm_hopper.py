@@ -15,7 +15,8 @@ from tests.test_kernels_fp8_linear import DEVICE, assert_close_to_twin, gemm_cas
 ON_HOPPER = DEVICE == "cuda" and hopper.HAS_GLUON and torch.cuda.get_device_capability()[0] == 9
 needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="Gluon kernels run compiled, on a Hopper GPU")
 TILES = [hopper.HopperFp8Tile(16), hopper.HopperFp8Tile(128), hopper.HopperFp8Tile(128, 16),
-         hopper.HopperFp8Tile(128, 64), hopper.HopperFp8Tile(256), hopper.HopperFp8Tile(64, 32)]
+         hopper.HopperFp8Tile(128, 64), hopper.HopperFp8Tile(256), hopper.HopperFp8Tile(64, 32),
+         hopper.HopperFp8Tile(128, block_n=128)]
 
 
 def both(m: int, n: int, k: int, bias: bool, seed: int, **launch):
@@ -30,7 +31,9 @@ def both(m: int, n: int, k: int, bias: bool, seed: int, **launch):
     (70, 200, 512, True, None, 1),                  # a partial feature tile, 70 of 128 tokens
     (150, 200, 640, False, None, 3),                # 128 + 32 tokens, K split in 3 (5 steps: 2, 2, 1)
     (190, 96, 512, True, None, 2),                  # 128 + 64 tokens, bias added once with K split
-    (300, 200, 512, True, None, None),              # partial tiles of 256 tokens
+    (300, 200, 512, True, None, None),              # partial 128 x 128 tiles (two warp groups)
+    (230, 136, 640, True, None, 3),                 # the same, K split in 3
+    (300, 200, 512, True, TILES[4], None),          # partial tiles of 256 tokens
     (9, 136, 384, False, TILES[0], 2),
     (100, 130, 512, True, TILES[5], 4),             # 64 + 32 tokens, K split in 4
     (144, 200, 256, False, TILES[2], None),         # 128 + 16
@@ -41,13 +44,15 @@ def test_matches_twin(m, n, k, bias, tile, split_k):
 
 
 @needs_hopper
-@pytest.mark.parametrize("m, tile", [(70, (128, 0)), (150, (128, 32)), (250, (256, 0))])
-def test_last_wave_split_matches_twin(monkeypatch, m, tile):
-    """On 4 SMs, 520 features (9 tiles, the last partial): 8 run whole and the ninth in 4 K ranges,
-    twice, the second finding the workspace the first left zero."""
+@pytest.mark.parametrize("m, sms, tile, grid", [(70, 4, (128, 0, 64), (9, 8, 4)), (150, 4, (128, 32, 64), (9, 8, 4)),
+                                               (250, 3, (128, 0, 128), (10, 9, 3))])
+def test_last_wave_split_matches_twin(monkeypatch, m, sms, tile, grid):
+    """520 features, the last tile partial (9 tiles of 64 features; 10 of 128 x 128 at 250 tokens):
+    on 4 SMs 8 run whole and the ninth in 4 K ranges, on 3 SMs 9 and the tenth in 3; twice, the second
+    finding the workspace the first left zero."""
     from nanovllm.kernels.zeroed_workspace import zeroed_workspace
-    monkeypatch.setattr(hopper, "sm_count", lambda device: 4)
-    assert hopper.hopper_tile(m) == tile and hopper.schedule(m, 520, 512, 4) == (9, 8, 4)
+    monkeypatch.setattr(hopper, "sm_count", lambda device: sms)
+    assert hopper.hopper_tile(m) == tile and hopper.schedule(m, 520, 512, sms) == grid
     for seed in range(2):
         assert_close_to_twin(*both(m, 520, 512, True, seed))
     assert not any(zeroed_workspace(torch.device("cuda"), kind, 0).any() for kind in (torch.float32, torch.int32))
@@ -55,19 +60,25 @@ def test_last_wave_split_matches_twin(monkeypatch, m, tile):
 
 def test_hopper_tile_and_stages():
     """64 features by tokens as wide as they need: a power of two up to 128, 128 + a power of two up
-    to 192, 256 beyond; the ring as deep as 192 KiB of buffers hold (at most 6)."""
+    to 192; 128 x 128 beyond (two warp groups); the ring as deep as 192 KiB of buffers hold (at most 6)."""
     assert [tuple(hopper.hopper_tile(m)) for m in (2, 65, 128, 129, 150, 161, 192, 193, 256)] == \
-        [(16, 0), (128, 0), (128, 0), (128, 16), (128, 32), (128, 64), (128, 64), (256, 0), (256, 0)]
-    assert [tile.stages for tile in TILES] == [6, 6, 6, 6, 4, 6]
+        [(16, 0, 64), (128, 0, 64), (128, 0, 64), (128, 16, 64), (128, 32, 64), (128, 64, 64), (128, 64, 64),
+         (128, 0, 128), (128, 0, 128)]
+    assert [tile.stages for tile in TILES] == [6, 6, 6, 6, 4, 6, 6]
+    assert [tile.num_warps for tile in TILES] == [4] * 6 + [8]
 
 
 def test_pays_where_each_program_keeps_24_steps_of_k():
-    """The 8B projections on 132 SMs at 129-256 tokens: qkv's 96 tiles and gate_up's 384 run whole
-    (32 steps), down's 64 split in halves (48 steps each), o's 64 in halves of 16 steps: not o."""
+    """The 8B projections on 132 SMs at 129-192 tokens: qkv's 96 tiles and gate_up's 384 run whole
+    (32 steps), down's 64 split in halves (48 steps each), o's 64 in halves of 16 steps: not o. At
+    193-256 in 128 x 128 tiles: qkv's 96 and down's 64 (in halves) fit one wave, gate_up's 384 do not."""
     qkv, o, gate_up, down = (4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)
-    for m in (129, 160, 192, 256):
+    for m in (129, 160, 192):
         assert [hopper.pays(m, n, k, 132) for k, n in (qkv, o, gate_up, down)] == [True, False, True, True]
+    for m in (193, 256):
+        assert [hopper.pays(m, n, k, 132) for k, n in (qkv, o, gate_up, down)] == [True, False, False, True]
     assert hopper.schedule(160, 4096, 12288, 132) == (64, 0, 2)
+    assert hopper.schedule(256, 4096, 12288, 132) == (64, 0, 2) and hopper.schedule(256, 6144, 4096, 132) == (96, 0, 1)
     assert hopper.schedule(160, 24576, 4096, 132) == (384, 384, 1)
 
 
@@ -79,13 +90,13 @@ def build(tile: hopper.HopperFp8Tile, split: bool):
     from triton.experimental import gluon
     kernel = hopper._fp8_gemm_hopper_kernel
     index = {name: i for i, name in enumerate(kernel.arg_names)}
-    warps = hopper.NUM_WARPS
-    constants = dict(HAS_BIAS=True, BLOCK_N=hopper.BLOCK_N, BLOCK_M=tile.block_m, EXTRA_M=tile.extra_m,
+    warps = tile.num_warps
+    constants = dict(HAS_BIAS=True, BLOCK_N=tile.block_n, BLOCK_M=tile.block_m, EXTRA_M=tile.extra_m,
                      STAGES=tile.stages, SPLIT=split, num_warps=warps)
     descriptor = lambda rows: f"tensordesc<fp8e4nv[{rows}, {hopper.BLOCK_K}],{hopper.operand_layout(rows)!r}>"
     signature = {name: "i32" for name in kernel.arg_names}
     signature.update(x_desc=descriptor(tile.block_m), x2_desc=descriptor(tile.extra_m or tile.block_m),
-                     w_desc=descriptor(hopper.BLOCK_N), x_scale_ptr="*fp32", w_scale_ptr="*fp32", bias_ptr="*bf16",
+                     w_desc=descriptor(tile.block_n), x_scale_ptr="*fp32", w_scale_ptr="*fp32", bias_ptr="*bf16",
                      out_ptr="*bf16",
                      # without a split, the launch passes the output for both (split_workspace)
                      partial_ptr="*fp32" if split else "*bf16", arrivals_ptr="*i32" if split else "*bf16",

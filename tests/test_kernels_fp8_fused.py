@@ -126,7 +126,7 @@ def test_silu_and_mul_quant_matches_the_unfused_kernels(rows, cols, group, dtype
 @pytest.mark.parametrize("chunk", [512, 1024])
 def test_silu_and_mul_quant_holds_a_row_in_several_chunks(chunk, monkeypatch):
     """A per-token row of several chunks, the last one partial (3 of 1,024 or 5 of 512 columns at
-    2,500: 8 and 16 warps), quantized with the scale of the whole row."""
+    2,500: 16 and 32 warps), quantized with the scale of the whole row."""
     from nanovllm.kernels import silu_and_mul as silu_and_mul_module
     monkeypatch.setattr(silu_and_mul_module, "ROW_CHUNK", chunk)
     x = (torch.randn(3, 2 * 2500, device=DEVICE) * 3).to(torch.float16)
@@ -148,7 +148,7 @@ def silu_quant_rows_ptxas_log(columns: int) -> str:
 
 
 def test_silu_and_mul_quant_rows_stay_in_registers():
-    """Rows of 12,288 (Qwen3-8B), 14,336 (Llama 3 8B) and 25,600 columns (Qwen3-32B; 16 warps) held
+    """Rows of 12,288 (Qwen3-8B), 14,336 (Llama 3 8B) and 25,600 columns (Qwen3-32B), 32 warps each, held
     whole by one program: built for sm_90a, nothing spills (a spilled row would go through local
     memory, the pass over L2 that the one-pass kernel removes)."""
     pytest.importorskip("triton")

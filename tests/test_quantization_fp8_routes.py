@@ -280,18 +280,22 @@ def chosen_route_of(layer: nn.Module, rows: int, dtype: torch.dtype) -> Fp8Route
     return layer.quant_method.route_of(x, weight, scale, input_scale, layer.fp8_whole_blocks)
 
 
-def test_129_to_192_rows_take_the_hopper_gemm_where_each_program_keeps_24_steps(monkeypatch):
+def test_129_to_256_rows_take_the_hopper_gemm_where_each_program_keeps_24_steps(monkeypatch):
     """Per-row scales of the Qwen3-8B projections at 129-192 rows in bfloat16 on Hopper: qkv, gate_up
     and down (K split in two: 48 steps each) take fp8_gemm_hopper, o (split in two: 16 steps) keeps its
-    transposed tile, as do block scales, 128 and 193 rows, float16 and an A100; apply hands it the
-    quantized input, the weight, its scales and the bias (the kernel's math: tests/test_fp8_gemm_hopper.py)."""
+    transposed tile, as do block scales, 128 rows, float16 and an A100; at 193-256 rows gate_up (tiles
+    of several waves) keeps _scaled_mm; at 257 none take it; apply hands it the quantized input, the
+    weight, its scales and the bias (the kernel's math: tests/test_fp8_gemm_hopper.py)."""
     route = lambda rows, k, n, per_group=False, dtype=torch.bfloat16, device=H100: \
         Fp8LinearMethod.route(rows, k, n, per_group, dtype, device, raw_input=False)
     qkv, o, gate_up, down = (4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)
     for rows in (129, 160, 192):
         assert [route(rows, *shape).kernel for shape in (qkv, o, gate_up, down)] == \
             ["hopper", "transposed", "hopper", "hopper"]
-    assert route(128, *qkv).kernel == route(193, *qkv).kernel == "transposed"
+    for rows in (193, 256):
+        assert [route(rows, *shape).kernel for shape in (qkv, o, gate_up, down)] == \
+            ["hopper", "transposed", "scaled_mm", "hopper"]
+    assert route(128, *qkv).kernel == "transposed" and route(257, *qkv).kernel == "scaled_mm"
     assert route(160, *qkv, per_group=True).kernel == "transposed"
     assert route(160, *qkv, dtype=torch.float16).kernel == "hopper"
     assert route(160, *qkv, device=A100).kernel == "transposed"

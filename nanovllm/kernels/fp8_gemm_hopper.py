@@ -4,22 +4,23 @@ layer, where the program places its loads, products and waits itself): y = (x_q 
 output feature (w_s [N, 1]).
 
 Computed transposed, out^T = w_q @ x_q^T, so the weight's rows fill the matrix cores' tall side: a
-tile is 64 features (one warp group's products) by the tokens (up to 128, 128 + up to 64, or 256).
-Both operands come by TMA into a ring of shared-memory buffers as deep as 192 KiB hold (six steps
-of 128 columns at 129-192 tokens), each signalled by an mbarrier, and the float8 products (wgmma,
-both operands from shared memory, K-major) keep one step in flight. The grid is one program an SM,
-scheduled as the 4-bit GEMM's (hopper_split_tiles.balanced_split): whole tiles in full waves, only a
-last wave under half full split in K (down_proj's 64 tiles in halves). The scales and the bias are
-applied to the float32 sums before they leave (a split's share scaled alike, the bias added by the
-first split only).
+tile is 64 features (one warp group's products) by the tokens (up to 128, or 128 + up to 64), or
+past 192 tokens 128 features (two warp groups) by 128 tokens. Both operands come by TMA into a ring
+of shared-memory buffers as deep as 192 KiB hold (six steps of 128 columns at 129-256 tokens), each
+signalled by an mbarrier, and the float8 products (wgmma, both operands from shared
+memory, K-major) keep one step in flight. The grid is one program an SM, scheduled as the 4-bit
+GEMM's (hopper_split_tiles.balanced_split): whole tiles in full waves, only a last wave under half
+full split in K (down_proj's 64 tiles in halves). The scales and the bias are applied to the float32
+sums before they leave (a split's share scaled alike, the bias added by the first split only).
 
-Where it pays (Fp8LinearMethod.route: 129-192 tokens, each program keeping MIN_STEPS steps of K), the
-8B projections x36 on one H200 (2026-12-04) at 144 / 160 / 176 / 192 tokens take 3.14 / 3.11 / 3.27 /
-3.25 ms against the Triton kernel's 3.28 / 3.36 / 3.78 / 3.82 (two-piece tiles, fp8_linear.py): qkv
-12.1-13.0 us against 14.1-15.9, down 23.3-24.6 against 25.7-29.7, gate_up 39.2-41.9 against
-39.4-48.8, o (two halves of 16 steps) 11.9 either way. At 96-128 tokens and 193-256 the Triton
-kernel and cuBLAS stay as fast or faster (x36 at 96 / 128 / 224 / 256: 2.93 / 2.84 / 4.02 / 4.03 at
-best against 2.81 / 2.87 / 3.98 / 3.71). Gluon runs only compiled: the twin is fp8_linear's
+Where it pays (Fp8LinearMethod.route: 129-256 tokens, each program keeping MIN_STEPS steps of K and,
+past 192 tokens, the tiles in one wave), the 8B projections x36 on one H200 (2026-12-04) at 144 /
+160 / 176 / 192 tokens take 3.14 / 3.11 / 3.27 / 3.25 ms against the Triton kernel's 3.28 / 3.36 /
+3.78 / 3.82 (two-piece tiles, fp8_linear.py): qkv 12.1-13.0 us against 14.1-15.9, down 23.3-24.6
+against 25.7-29.7, gate_up 39.2-41.9 against 39.4-48.8, o (two halves of 16 steps) 11.9 either way.
+At 224 / 256 tokens qkv and down (WIDE_TILE_MIN_ROWS) save 1-5 us each; gate_up keeps cuBLASLt and
+o the Triton kernel. At 96-128 tokens the Triton kernel stays as fast or faster (x36 at 96 / 128:
+2.93 / 2.84 at best against 2.81 / 2.87). Gluon runs only compiled: the twin is fp8_linear's
 `fp8_matmul_ref`, checked on the GPU, and the build for sm_90a is checked without one.
 """
 from typing import NamedTuple
@@ -37,44 +38,56 @@ if HAS_GLUON:
 BLOCK_K = 128                   # 128 bytes of a float8 row a step (one 128-byte swizzle); 128 in the kernels
 SHARED_BYTES = 192 * 1024       # the ring's buffers (a Hopper program gets at most 227 KiB)
 MAX_STAGES = 6
-# 64 features a tile, one warp group: against 128 (two warp groups) on one H200, the 8B projections
-# x36 at 160 / 192 tokens 3.12 / 3.28 against 3.73 / 4.13 ms
-BLOCK_N, NUM_WARPS = 64, 4
 # fewer steps of K a program and the split sums cost more than the filled SMs give (o_proj at 160 /
 # 192 tokens, split in halves of 16 steps: 12.1 / 13.0 us against the Triton kernel's 11.9 / 11.8)
 MIN_STEPS = 24
+# Past this many tokens, tiles of 128 features by 128 tokens (two warp groups): each step's weight
+# tile serves twice the tokens' columns of x and each x tile twice the features, so the pair reads
+# L2 a quarter less than 64 features by 256 tokens. The 8B projections on one H200 (2026-12-04) at
+# 224 / 256 tokens: down 25.7 / 26.6 us against 30.5-31.7 for 64 x 256 and the Triton kernel, qkv
+# 14.2 / 14.2 against 15.0-16.1. At 129-192 tokens 64 features by 128 + the rest stay faster
+# (128 x 128: x36 at 192 4.06 against 3.22 ms; 128 features by 128 + 64 at 160 / 192 3.73 / 4.13
+# against 3.12 / 3.28).
+WIDE_TILE_MIN_ROWS = 193
 
 
 class HopperFp8Tile(NamedTuple):
     block_m: int        # tokens of the tile's first piece
     extra_m: int = 0    # tokens of a second piece, multiplied by the same weight buffers
+    block_n: int = 64   # features: 64 a warp group
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_n // 16
 
     @property
     def stages(self) -> int:
-        step_bytes = (BLOCK_N + self.block_m + self.extra_m) * BLOCK_K
+        step_bytes = (self.block_n + self.block_m + self.extra_m) * BLOCK_K
         return min(MAX_STAGES, SHARED_BYTES // step_bytes)
 
 
 def hopper_tile(m: int) -> HopperFp8Tile:
-    """The tile for m tokens: pieces as wide as the tokens need."""
+    """The tile for m tokens: 64 features by pieces as wide as the tokens need, 128 x 128 past 192."""
     if m <= 128:
         return HopperFp8Tile(max(16, triton.next_power_of_2(m)))
-    if m <= 192:
+    if m < WIDE_TILE_MIN_ROWS:
         return HopperFp8Tile(128, max(16, triton.next_power_of_2(m - 128)))
-    return HopperFp8Tile(256)
+    return HopperFp8Tile(128, block_n=128)
 
 
 def schedule(m: int, n: int, k: int, sms: int, tile: HopperFp8Tile | None = None) -> tuple[int, int, int]:
     """(tiles, tiles whose program runs K whole, the K splits of the others) for [m, k] @ [k, n]."""
     tile = tile or hopper_tile(m)
-    tiles = triton.cdiv(m, tile.block_m + tile.extra_m) * triton.cdiv(n, BLOCK_N)
+    tiles = triton.cdiv(m, tile.block_m + tile.extra_m) * triton.cdiv(n, tile.block_n)
     return tiles, *balanced_split(tiles, triton.cdiv(k, BLOCK_K), sms)
 
 
 def pays(m: int, n: int, k: int, sms: int) -> bool:
-    """Whether each program keeps MIN_STEPS steps of K once the grid is scheduled."""
-    splits = schedule(m, n, k, sms)[2]
-    return triton.cdiv(k, BLOCK_K) // splits >= MIN_STEPS
+    """Whether each program keeps MIN_STEPS steps of K once the grid is scheduled, and, in 128 x 128
+    tiles, whether they fit one wave: over several (gate_up's 384 at 256 tokens) cuBLASLt's
+    persistent GEMM is as fast or faster (224 / 256 tokens 47.8 / 45.2 us against 50.4 / 46.0)."""
+    tiles, _, splits = schedule(m, n, k, sms)
+    return triton.cdiv(k, BLOCK_K) // splits >= MIN_STEPS and (m < WIDE_TILE_MIN_ROWS or tiles <= sms)
 
 
 if HAS_GLUON:
@@ -207,8 +220,8 @@ def fp8_gemm_hopper(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s
     x_desc = operand(x_q, tile.block_m)
     x2_desc = operand(x_q, tile.extra_m) if tile.extra_m else x_desc   # read only for a second piece
     _fp8_gemm_hopper_kernel[(whole_tiles + (tiles - whole_tiles) * splits,)](
-        x_desc, x2_desc, operand(w_q, BLOCK_N), x_s, w_s, bias if bias is not None else w_s, out, partial,
+        x_desc, x2_desc, operand(w_q, tile.block_n), x_s, w_s, bias if bias is not None else w_s, out, partial,
         arrivals, m, n, k, k_per_split, triton.cdiv(m, tile.block_m + tile.extra_m), whole_tiles, splits,
-        HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_M=tile.block_m, EXTRA_M=tile.extra_m,
-        STAGES=tile.stages, SPLIT=splits > 1, num_warps=NUM_WARPS)
+        HAS_BIAS=bias is not None, BLOCK_N=tile.block_n, BLOCK_M=tile.block_m, EXTRA_M=tile.extra_m,
+        STAGES=tile.stages, SPLIT=splits > 1, num_warps=tile.num_warps)
     return out

@@ -76,8 +76,9 @@ def _silu_and_mul_quant_rows_kernel(x_ptr, q_ptr, scale_ptr, N, CHUNK: tl.conste
     """Per token: one program per row, the whole row in registers as NUM_CHUNKS chunks of CHUNK
     columns (one power-of-two block would pad 12,288 columns to 16,384): every chunk is loaded
     before the row's largest |y| is known, then quantized from registers. On an H200 (12,288
-    columns, L2 cleared) 11.3 us at 240 rows and 153 at 8,192, against 15.2 and 209 for two passes
-    over the chunks, the second reading the inputs again (silu_and_mul alone: 9.5 and 150)."""
+    columns, L2 cleared, 4,096 by 8 warps) 11.3 us at 240 rows and 153 at 8,192, against 15.2 and 209
+    for two passes over the chunks, the second reading the inputs again (silu_and_mul alone: 9.5 and
+    150)."""
     wait_for_previous_kernel(PDL)
     start_next_kernel(PDL)
     row = tl.program_id(0)
@@ -99,17 +100,19 @@ def _silu_and_mul_quant_rows_kernel(x_ptr, q_ptr, scale_ptr, N, CHUNK: tl.conste
         tl.store(q_ptr + row * N + col, e4m3_codes(chunks[c], scale).to(tl.float8e4nv), mask=col < N)
 
 
-# Columns a chunk of a per-token program (4,096 by 8 warps won the two-pass kernel's sweep of 1,024-4,096
-# by 4 or 8 on an H200). Past ROW_CHUNKS_PER_8_WARPS chunks, 16 warps hold half the values a thread (built
-# for sm_90a, a 25,600-column row takes 86 registers against 143 at 8 warps; neither spills; untimed).
-ROW_CHUNK, ROW_CHUNKS_PER_8_WARPS = 4096, 4
+# Columns a chunk of a per-token program and its warps. At 12,288 columns on one H200 (graph replay,
+# inputs beyond L2, 2026-12-04) 2,048 by 32 warps takes 3.6 / 6.7 / 6.9 us at 64 / 240 / 256 rows, by
+# 16 3.9 / 6.9 / 7.0, against 5.1 / 7.7 / 7.8 for 4,096 by 8 (1,024-4,096 by 4-32 swept): with one
+# row a program, more warps keep more of a row's loads in flight. Rows of up to ROW_CHUNKS_PER_16_WARPS
+# chunks take 16 warps (not timed apart).
+ROW_CHUNK, ROW_CHUNKS_PER_16_WARPS = 2048, 4
 
 
 def rows_launch(n: int) -> tuple[int, int, int]:
     """The per-token kernel's chunk, chunk count and warps for rows of n columns."""
     chunk = min(ROW_CHUNK, triton.next_power_of_2(n))
     chunks = triton.cdiv(n, chunk)
-    return chunk, chunks, 8 if chunks <= ROW_CHUNKS_PER_8_WARPS else 16
+    return chunk, chunks, 16 if chunks <= ROW_CHUNKS_PER_16_WARPS else 32
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

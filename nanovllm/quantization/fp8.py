@@ -21,7 +21,7 @@ stacked float8 weights with per-row block scales (`Fp8BlockMoEMethod`).
 Every layout multiplies through `Fp8LinearMethod`, whose `route` picks the kernel for each call from
 its rows, the scales' layout (per row or per row and group) and the device: the 16-bit GEMV for a
 row (nanovllm/kernels/fp8_gemv.py), the Triton float8 GEMM transposed for decode batches (on Hopper
-at 129-192 tokens the Gluon GEMM of nanovllm/kernels/fp8_gemm_hopper.py), or torch._scaled_mm / the
+at 129-256 tokens the Gluon GEMM of nanovllm/kernels/fp8_gemm_hopper.py), or torch._scaled_mm / the
 Triton GEMM on gemm_tile's tiles for larger ones (nanovllm/kernels/fp8_linear.py); the torch twins on
 the CPU. The thresholds below say where each measurement put the switch.
 """
@@ -75,11 +75,12 @@ SCALED_MM_PER_CHANNEL = True
 BLOCK_SCALED_MM_MIN_ROWS = 64
 SCALED_MM_BLOCKS = block_scaled_mm_available()
 # Per-channel products of this many tokens on Hopper take the Gluon GEMM (fp8_gemm_hopper.py) where
-# each of its programs keeps enough steps of K (hopper_gemm_pays: qkv, gate_up, down; not o): the 8B
-# projections x36 at 144 / 192 tokens 3.14 / 3.25 ms against 3.28 / 3.82 on the transposed tiles, and
-# bench.py (online FP8, FP8 KV) 14,272 / 14,294 / 14,243 tok/s against 14,136 / 14,157 / 14,174
-# (H200, 2026-12-04). At 193-256 tokens it lost (14,443 against 14,522 tok/s with 129-192 only).
-HOPPER_GEMM_ROWS = range(129, 193)
+# each of its programs keeps enough steps of K and, past 192 tokens, its tiles fit one wave
+# (hopper_gemm_pays: qkv, gate_up, down at 129-192; qkv and down past): the 8B projections x36 at 144 /
+# 192 tokens 3.14 / 3.25 ms against 3.28 / 3.82 on the transposed tiles, and bench.py (online FP8, FP8
+# KV) 14,272 / 14,294 / 14,243 tok/s against 14,136 / 14,157 / 14,174 (H200, 2026-12-04). Past 192
+# tokens its 64 x 256 tiles lost (14,443 against 14,522 tok/s); 128 x 128 tiles win there.
+HOPPER_GEMM_ROWS = range(129, 257)
 
 
 class CudaDevice(NamedTuple):
@@ -211,7 +212,7 @@ class Fp8LinearMethod(LinearMethod):
               device: CudaDevice | None, raw_input: bool, whole_blocks: bool = False) -> Fp8Route:
         """The kernel for `rows` tokens of `dtype`, `in_features` wide, into `features` outputs, with
         scales per row and group (per_group) or per row, on `device` (None: off CUDA). Products of
-        129-192 tokens take fp8_gemm_hopper with per-row scales on Hopper where it pays, else
+        129-256 tokens take fp8_gemm_hopper with per-row scales on Hopper where it pays, else
         two_piece_tile's tile where it has one (two_piece_block_tile's, 129-160 tokens, with block
         scales). raw_input: x comes unquantized and without a static input scale, so the GEMV may
         read it as it is. whole_blocks: the scales are 128 x 128 blocks (per row, each
