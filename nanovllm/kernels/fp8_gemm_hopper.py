@@ -32,8 +32,9 @@ from nanovllm.kernels.hopper_split_tiles import HAS_GLUON, balanced_split, split
 from nanovllm.kernels.triton_compat import triton
 
 if HAS_GLUON:
-    from nanovllm.kernels.hopper_split_tiles import (TensorDescriptor, gl, gluon, leave_tile, mbarrier, program_tile,
-                                                     sync_threads, tma_load, warpgroup_mma, warpgroup_mma_wait)
+    from nanovllm.kernels.hopper_split_tiles import (TensorDescriptor, drained, gl, gluon, leave_tile, mbarrier,
+                                                     program_tile, retire_step, tma_load, warpgroup_mma,
+                                                     warpgroup_mma_wait)
 
 BLOCK_K = 128                   # 128 bytes of a float8 row a step (one 128-byte swizzle); 128 in the kernels
 SHARED_BYTES = 192 * 1024       # the ring's buffers (a Hopper program gets at most 227 KiB)
@@ -150,6 +151,8 @@ if HAS_GLUON:
             sums2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                                    instr_shape=[16, EXTRA_M, 32])
             sums2 = gl.zeros([BLOCK_N, EXTRA_M], gl.float32, layout=sums2_layout)
+        else:
+            sums2 = sums        # a placeholder: no second piece
         for step in range(steps):
             stage = step % STAGES
             mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
@@ -159,29 +162,14 @@ if HAS_GLUON:
                 sums, sums2 = warpgroup_mma_wait(num_outstanding=2, deps=(sums, sums2))
             else:
                 sums = warpgroup_mma_wait(num_outstanding=1, deps=(sums,))
-            if step + 1 == steps:
-                # retire the last products here, as int4_gemm_hopper does (after the loop ptxas moved
-                # the epilogue's reads of the chained sums above the wait)
-                if EXTRA_M > 0:
-                    warpgroup_mma_wait(num_outstanding=0, deps=(sums, sums2))
-                else:
-                    warpgroup_mma_wait(num_outstanding=0, deps=(sums,))
-            # the buffer the next load fills was read by the last step's products, now retired in every warp
-            sync_threads()
+            retire_step(step, steps, sums, sums2, EXTRA_M)
             if step + STAGES - 1 < steps:
                 _load_step(step + STAGES - 1, k_start, off_m, off_n, x_desc, x2_desc, w_desc, x_smem, x2_smem, w_smem,
                            ready, STAGES, EXTRA_M)
-        sums = warpgroup_mma_wait(num_outstanding=0, deps=(sums,))
-        if EXTRA_M > 0:
-            sums2 = warpgroup_mma_wait(num_outstanding=0, deps=(sums2,))
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(i))
-
+        sums, sums2 = drained(sums, sums2, ready, STAGES, EXTRA_M)
         sums = _scaled(sums, off_n, off_m, k_start, M, N, x_scale_ptr, w_scale_ptr, bias_ptr, HAS_BIAS)
         if EXTRA_M > 0:
             sums2 = _scaled(sums2, off_n, off_m + BLOCK_M, k_start, M, N, x_scale_ptr, w_scale_ptr, bias_ptr, HAS_BIAS)
-        else:
-            sums2 = sums
         leave_tile(sums, sums2, tile, off_m, off_n, M, N, out_ptr, partial_ptr, arrivals_ptr, SPLIT, split, TAIL_SPLITS,
                    BLOCK_N, BLOCK_M, EXTRA_M, num_warps)
 

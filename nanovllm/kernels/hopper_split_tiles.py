@@ -59,6 +59,32 @@ if HAS_GLUON:
         return tile, tile % M_TILES, tile // M_TILES, k_start, steps, in_tail * TAIL_SPLITS > 1
 
     @gluon.jit
+    def retire_step(step, steps, sums, sums2, EXTRA_M: gl.constexpr):
+        """End a main-loop step of K: at the last, wait for its products here (after the loop, ptxas
+        12.8 / 12.9 moved the epilogue's reads of the chained sums above the wait, and the last
+        product went missing); then the barrier after which the buffer the next load fills, read by
+        the step before's products, is retired in every warp. sums2 is read only where EXTRA_M > 0."""
+        if step + 1 == steps:
+            if EXTRA_M > 0:
+                warpgroup_mma_wait(num_outstanding=0, deps=(sums, sums2))
+            else:
+                warpgroup_mma_wait(num_outstanding=0, deps=(sums,))
+        sync_threads()
+
+    @gluon.jit
+    def drained(sums, sums2, ready, STAGES: gl.constexpr, EXTRA_M: gl.constexpr):
+        """The sums (and the second piece's, or the first's again without one) once every product is
+        retired, the ring's mbarriers invalidated."""
+        sums = warpgroup_mma_wait(num_outstanding=0, deps=(sums,))
+        if EXTRA_M > 0:
+            sums2 = warpgroup_mma_wait(num_outstanding=0, deps=(sums2,))
+        else:
+            sums2 = sums
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+        return sums, sums2
+
+    @gluon.jit
     def _halves(t):
         """[R, C] -> its column halves (the column's top bit is a register's: nothing moves)."""
         return gl.split(gl.permute(gl.reshape(t, [t.shape[0], 2, t.shape[1] // 2]), (0, 2, 1)))

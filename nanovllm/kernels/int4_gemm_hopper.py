@@ -35,8 +35,9 @@ from nanovllm.kernels.hopper_split_tiles import HAS_GLUON, balanced_split, split
 from nanovllm.kernels.triton_compat import cuda_major_capability, triton
 
 if HAS_GLUON:
-    from nanovllm.kernels.hopper_split_tiles import (TensorDescriptor, gl, gluon, leave_tile, mbarrier, program_tile,
-                                                     sync_threads, tma_load, warpgroup_mma, warpgroup_mma_wait)
+    from nanovllm.kernels.hopper_split_tiles import (TensorDescriptor, drained, gl, gluon, leave_tile, mbarrier,
+                                                     program_tile, retire_step, tma_load, warpgroup_mma,
+                                                     warpgroup_mma_wait)
 
 BLOCK_N, BLOCK_M, STAGES, NUM_WARPS = 128, 128, 4, 8
 # Up to 64 rows the x tile is the rows rounded up to 8, 16, 32 or 64 (the products as wide), K split
@@ -163,6 +164,8 @@ if HAS_GLUON:
             sums2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                                    instr_shape=[16, EXTRA_M, 16])
             sums2 = gl.zeros([BLOCK_N, EXTRA_M], gl.float32, layout=sums2_layout)
+        else:
+            sums2 = sums        # a placeholder: no second piece
         high = gl.zeros([BLOCK_N, 64], dtype, layout=weight_layout)
         for step in range(steps):
             stage = step % STAGES
@@ -191,26 +194,11 @@ if HAS_GLUON:
                 sums, sums2, low = warpgroup_mma_wait(num_outstanding=2, deps=(sums, sums2, low))
             else:
                 sums, low = warpgroup_mma_wait(num_outstanding=1, deps=(sums, low))
-            if step + 1 == steps:
-                # retire the last products here: after the loop ptxas (12.8, 12.9) moved the epilogue's
-                # reads of the chained sums above the wait, and the last product went missing
-                if EXTRA_M > 0:
-                    warpgroup_mma_wait(num_outstanding=0, deps=(sums, sums2))
-                else:
-                    warpgroup_mma_wait(num_outstanding=0, deps=(sums,))
-            # the buffer the next load fills was read by the last step's products, now retired in every warp
-            sync_threads()
+            retire_step(step, steps, sums, sums2, EXTRA_M)
             if step + STAGES - 1 < steps:
                 _load_step(step + STAGES - 1, k_start, off_m, off_n, x_desc, x2_desc, w_desc, x_smem, x2_smem, w_smem,
                            ready, STAGES, EXTRA_M)
-        sums = warpgroup_mma_wait(num_outstanding=0, deps=(sums,))
-        if EXTRA_M > 0:
-            sums2 = warpgroup_mma_wait(num_outstanding=0, deps=(sums2,))
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(i))
-
-        if EXTRA_M == 0:
-            sums2 = sums
+        sums, sums2 = drained(sums, sums2, ready, STAGES, EXTRA_M)
         leave_tile(sums, sums2, tile, off_m, off_n, M, N, out_ptr, partial_ptr, arrivals_ptr, SPLIT, split, TAIL_SPLITS,
                    BLOCK_N, BLOCK_M, EXTRA_M, num_warps)
 
