@@ -33,7 +33,7 @@ from nanovllm.kernels.triton_compat import triton
 
 if HAS_GLUON:
     from nanovllm.kernels.hopper_split_tiles import (TensorDescriptor, drained, gl, gluon, leave_tile, mbarrier,
-                                                     program_tile, retire_step, tma_load, warpgroup_mma,
+                                                     program_tile, ready_barriers, retire_step, tma_load, warpgroup_mma,
                                                      warpgroup_mma_wait)
 
 BLOCK_K = 128                   # 128 bytes of a float8 row a step (one 128-byte swizzle); 128 in the kernels
@@ -138,9 +138,7 @@ if HAS_GLUON:
             x2_smem = gl.allocate_shared_memory(x2_desc.dtype, [STAGES] + x2_desc.block_type.shape, x2_desc.layout)
         else:
             x2_smem = x_smem
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
+        ready = ready_barriers(STAGES)
         for i in gl.static_range(STAGES - 1):
             if i < steps:
                 _load_step(i, k_start, off_m, off_n, x_desc, x2_desc, w_desc, x_smem, x2_smem, w_smem, ready, STAGES,

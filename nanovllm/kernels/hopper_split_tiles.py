@@ -59,6 +59,14 @@ if HAS_GLUON:
         return tile, tile % M_TILES, tile // M_TILES, k_start, steps, in_tail * TAIL_SPLITS > 1
 
     @gluon.jit
+    def ready_barriers(STAGES: gl.constexpr):
+        """One mbarrier a buffer of the ring, each signalled when that buffer's TMA loads land."""
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+        return ready
+
+    @gluon.jit
     def retire_step(step, steps, sums, sums2, EXTRA_M: gl.constexpr):
         """End a main-loop step of K: at the last, wait for its products here (after the loop, ptxas
         12.8 / 12.9 moved the epilogue's reads of the chained sums above the wait, and the last
