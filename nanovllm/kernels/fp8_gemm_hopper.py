@@ -7,11 +7,11 @@ Computed transposed, out^T = w_q @ x_q^T, so the weight's rows fill the matrix c
 tile is 64 features (one warp group's products) by the tokens (up to 128, or 128 + up to 64), or
 past 192 tokens 128 features (two warp groups) by 128 tokens. Both operands come by TMA into a ring
 of shared-memory buffers as deep as 192 KiB hold (six steps of 128 columns at 129-256 tokens), each
-signalled by an mbarrier, and the float8 products (wgmma, both operands from shared
-memory, K-major) keep one step in flight. The grid is one program an SM, scheduled as the 4-bit
-GEMM's (hopper_split_tiles.balanced_split): whole tiles in full waves, only a last wave under half
-full split in K (down_proj's 64 tiles in halves). The scales and the bias are applied to the float32
-sums before they leave (a split's share scaled alike, the bias added by the first split only).
+signalled by an mbarrier, and the float8 products (wgmma, both operands from shared memory, K-major)
+keep one step in flight. The grid is one program an SM, scheduled as the 4-bit GEMM's
+(hopper_split_tiles.balanced_split): whole tiles in full waves, only a last wave under half full
+split in K (down_proj's 64 tiles in halves). The scales and the bias are applied to the float32 sums
+before they leave (a split's share scaled alike, the bias added by the first split only).
 
 Where it pays (Fp8LinearMethod.route: 129-256 tokens, each program keeping MIN_STEPS steps of K and,
 past 192 tokens, the tiles in one wave), the 8B projections x36 on one H200 (2026-12-04) at 144 /
@@ -42,13 +42,12 @@ MAX_STAGES = 6
 # fewer steps of K a program and the split sums cost more than the filled SMs give (o_proj at 160 /
 # 192 tokens, split in halves of 16 steps: 12.1 / 13.0 us against the Triton kernel's 11.9 / 11.8)
 MIN_STEPS = 24
-# Past this many tokens, tiles of 128 features by 128 tokens (two warp groups): each step's weight
-# tile serves twice the tokens' columns of x and each x tile twice the features, so the pair reads
-# L2 a quarter less than 64 features by 256 tokens. The 8B projections on one H200 (2026-12-04) at
-# 224 / 256 tokens: down 25.7 / 26.6 us against 30.5-31.7 for 64 x 256 and the Triton kernel, qkv
-# 14.2 / 14.2 against 15.0-16.1. At 129-192 tokens 64 features by 128 + the rest stay faster
-# (128 x 128: x36 at 192 4.06 against 3.22 ms; 128 features by 128 + 64 at 160 / 192 3.73 / 4.13
-# against 3.12 / 3.28).
+# Past this many tokens, tiles of 128 features by 128 tokens (two warp groups): a step's operands are
+# 32 KiB for as many products as 64 features by 256 tokens get from 40. The 8B projections on one
+# H200 (2026-12-04) at 224 / 256 tokens: down 25.7 / 26.6 us against 30.5-31.7 for 64 x 256 and the
+# Triton kernel, qkv 14.2 / 14.2 against 15.0-16.1. At 129-192 tokens 64 features by 128 + the rest
+# stay faster (128 x 128: x36 at 192 4.06 against 3.22 ms; 128 features by 128 + 64 at 160 / 192
+# 3.73 / 4.13 against 3.12 / 3.28).
 WIDE_TILE_MIN_ROWS = 193
 
 
@@ -85,8 +84,8 @@ def schedule(m: int, n: int, k: int, sms: int, tile: HopperFp8Tile | None = None
 
 def pays(m: int, n: int, k: int, sms: int) -> bool:
     """Whether each program keeps MIN_STEPS steps of K once the grid is scheduled, and, in 128 x 128
-    tiles, whether they fit one wave: over several (gate_up's 384 at 256 tokens) cuBLASLt's
-    persistent GEMM is as fast or faster (224 / 256 tokens 47.8 / 45.2 us against 50.4 / 46.0)."""
+    tiles, whether they fit one wave: over several (gate_up's 384 at 256 tokens) cuBLASLt's GEMM is
+    as fast or faster (224 / 256 tokens 47.8 / 45.2 us against 50.4 / 46.0)."""
     tiles, _, splits = schedule(m, n, k, sms)
     return triton.cdiv(k, BLOCK_K) // splits >= MIN_STEPS and (m < WIDE_TILE_MIN_ROWS or tiles <= sms)
 

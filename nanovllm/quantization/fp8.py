@@ -79,7 +79,8 @@ SCALED_MM_BLOCKS = block_scaled_mm_available()
 # (hopper_gemm_pays: qkv, gate_up, down at 129-192; qkv and down past): the 8B projections x36 at 144 /
 # 192 tokens 3.14 / 3.25 ms against 3.28 / 3.82 on the transposed tiles, and bench.py (online FP8, FP8
 # KV) 14,272 / 14,294 / 14,243 tok/s against 14,136 / 14,157 / 14,174 (H200, 2026-12-04). Past 192
-# tokens its 64 x 256 tiles lost (14,443 against 14,522 tok/s); 128 x 128 tiles win there.
+# tokens its 64 x 256 tiles lost (14,443 against 14,522 tok/s); in 128 x 128 tiles, with the faster
+# SiLU-and-quantize, bench.py gained 0.9% in each of two calls (14,645 / 14,614 against 14,490 / 14,521).
 HOPPER_GEMM_ROWS = range(129, 257)
 
 
