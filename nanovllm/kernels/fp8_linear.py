@@ -16,7 +16,7 @@ matmul); they are also the CPU path. The routes: `fp8_matmul` (the Triton kernel
 tiles or, transposed for decode batches, on `decode_tile`'s, `two_piece_tile`'s or
 `two_piece_block_tile`'s), `scaled_mm_per_channel` (torch._scaled_mm, row-wise scales, Hopper) and
 `scaled_mm_blocks` (torch's scaled_mm, 128 x 128 blocks, Hopper), beside fp8_gemm_hopper.py's Gluon
-GEMM (per-channel, Hopper, 129-192 tokens); a few 16-bit rows skip the
+GEMM (per-channel, Hopper, 129-256 tokens); a few 16-bit rows skip the
 quantization and stream the weight through fp8_gemv.py. Which one a layer takes for a call is its
 method's choice (nanovllm/quantization/fp8.py, `Fp8LinearMethod.route`).
 
