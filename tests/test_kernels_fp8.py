@@ -455,11 +455,13 @@ def test_decode_kernel_reads_both_e4m3_bytes_of_every_16_bit_word(ptx):
         torch.testing.assert_close(got[rows], expected[rows, column], rtol=0, atol=0, equal_nan=True)
 
 
-def test_decode_splits_for_fp8_ask_for_more_programs():
-    assert decode_num_splits(64, 8, 132) == 1 and decode_num_splits(64, 8, 132, torch.bfloat16) == 1
-    assert decode_num_splits(64, 8, 132, FP8_DTYPE) == 3          # ceil(8 * 132 / 512)
+def test_decode_splits_for_fp8_aim_at_four_programs_an_sm_rounded_to_the_nearest():
+    assert decode_num_splits(16, 8, 132) == 2 and decode_num_splits(16, 8, 132, torch.bfloat16) == 2
+    assert decode_num_splits(16, 8, 132, FP8_DTYPE) == 4          # 4 * 132 / 128 = 4.1
+    assert decode_num_splits(48, 8, 132, FP8_DTYPE) == 1          # 1.4: rounded down, where 16-bit rounds up
+    assert decode_num_splits(32, 8, 132, FP8_DTYPE) == 2          # 2.06
     assert decode_num_splits(256, 8, 132, FP8_DTYPE) == 1
-    assert decode_num_splits(1, 8, 132, FP8_DTYPE) == 16
+    assert decode_num_splits(1, 8, 132, FP8_DTYPE) == 16 and decode_num_splits(8, 8, 132, FP8_DTYPE) == 8
 
 
 # ---------------------------------------------------------------- paged prefill attention

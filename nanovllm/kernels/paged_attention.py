@@ -285,20 +285,26 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
             tl.store(arrivals, 0)   # zero again for the next call
 
 
-# Programs per SM that decode_num_splits aims for. float8 programs read half the bytes per token,
-# so more of them keep as many bytes in flight (the H100 sweep: 3 splits best at batch 64). A 16-bit
-# cache aimed at 4 until 2026-11-26, when one (fewer splits at 4 to 64 sequences) made the 8B shape's
-# steps 1.4-1.7% faster at batch 4, 16 and 64 on one H100 (docs/benchmarks.md).
-FP8_DECODE_PROGRAMS_PER_SM = 8
+# Programs per SM that decode_num_splits aims for. A 16-bit cache aimed at 4 until 2026-11-26, when
+# one (fewer splits at 4 to 64 sequences) made the 8B shape's steps 1.4-1.7% faster at batch 4, 16
+# and 64 on one H100. A float8 cache aims at four, to the nearest split count: at bench.py's long
+# contexts (1,000-2,048 tokens) on one H200 (2026-12-04) that was the best split count or within
+# 4% of it from 8 to 160 sequences, where eight (rounded up) took 5-13% longer from 16 sequences up
+# (docs/benchmarks.md). A short context uses only the splits its tiles fill, whatever the count.
+FP8_DECODE_PROGRAMS_PER_SM = 4
 DECODE_PROGRAMS_PER_SM = 1
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int,
                       cache_dtype: torch.dtype = torch.bfloat16) -> int:
     """Context splits per sequence so that a decode step launches about one program per SM for a
-    16-bit cache, eight for a float8 one (see the constants above)."""
-    per_sm = FP8_DECODE_PROGRAMS_PER_SM if cache_dtype.itemsize == 1 else DECODE_PROGRAMS_PER_SM
-    return max(1, min(16, -(-per_sm * num_sms // (num_seqs * num_kv_heads))))
+    16-bit cache (rounded up) and four for a float8 one (rounded to the nearest), 1 to 16."""
+    programs = num_seqs * num_kv_heads
+    if cache_dtype.itemsize == 1:
+        splits = round(FP8_DECODE_PROGRAMS_PER_SM * num_sms / programs)
+    else:
+        splits = -(-DECODE_PROGRAMS_PER_SM * num_sms // programs)
+    return max(1, min(16, splits))
 
 
 # Contexts of at most this many tiles are not split. On an H100 (8B shape, 16-bit and float8 caches,
