@@ -288,8 +288,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
 # Programs per SM that decode_num_splits aims for. A 16-bit cache aimed at 4 until 2026-11-26, when
 # one (fewer splits at 4 to 64 sequences) made the 8B shape's steps 1.4-1.7% faster at batch 4, 16
 # and 64 on one H100. A float8 cache aims at four, to the nearest split count: at bench.py's long
-# contexts (1,000-2,048 tokens) on one H200 (2026-12-04) that was the best split count or within
-# 4% of it from 8 to 160 sequences, where eight (rounded up) took 5-13% longer from 16 sequences up
+# contexts (500-2,048 tokens) on one H200 (2026-12-04) that was within 1% of the best split count
+# from 8 to 160 sequences, where eight (rounded up) took 2-33% longer from 8 to 128 sequences
 # (docs/benchmarks.md). A short context uses only the splits its tiles fill, whatever the count.
 FP8_DECODE_PROGRAMS_PER_SM = 4
 DECODE_PROGRAMS_PER_SM = 1
