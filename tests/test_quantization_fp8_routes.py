@@ -282,10 +282,10 @@ def chosen_route_of(layer: nn.Module, rows: int, dtype: torch.dtype) -> Fp8Route
 
 def test_129_to_256_rows_take_the_hopper_gemm_where_each_program_keeps_24_steps(monkeypatch):
     """Per-row scales of the Qwen3-8B projections at 129-192 rows in bfloat16 on Hopper: qkv, gate_up
-    and down (K split in two: 48 steps each) take fp8_gemm_hopper, o (split in two: 16 steps) keeps its
-    transposed tile, as do block scales, 128 rows, float16 and an A100; at 193-256 rows gate_up (tiles
-    of several waves) keeps _scaled_mm; at 257 none take it; apply hands it the quantized input, the
-    weight, its scales and the bias (the kernel's math: tests/test_fp8_gemm_hopper.py)."""
+    and down (K split in two: 48 steps each) take fp8_gemm_hopper, float16 rows too; o (split in two:
+    16 steps) keeps its transposed tile, as do block scales, 128 rows and an A100; at 193-256 rows
+    gate_up (tiles of several waves) keeps _scaled_mm; at 257 none take it; apply hands it the quantized
+    input, the weight, its scales and the bias (the kernel's math: tests/test_fp8_gemm_hopper.py)."""
     route = lambda rows, k, n, per_group=False, dtype=torch.bfloat16, device=H100: \
         Fp8LinearMethod.route(rows, k, n, per_group, dtype, device, raw_input=False)
     qkv, o, gate_up, down = (4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)

@@ -99,7 +99,8 @@ class Fp8Route(NamedTuple):
     """The kernel that multiplies one call: "twin" (the torch twins: the CPU), "gemv" (fp8_gemv on the
     16-bit rows), "transposed" (fp8_matmul on `tile`), "hopper" (fp8_gemm_hopper), "scaled_mm"
     (torch._scaled_mm, row-wise scales), "scaled_mm_blocks" (torch's scaled_mm, 128 x 128 blocks) or
-    "gemm" (fp8_matmul on gemm_tile's tile). All but the GEMV multiply float8 activations: x is quantized first, unless it comes quantized."""
+    "gemm" (fp8_matmul on gemm_tile's tile). All but the GEMV multiply float8 activations: x is
+    quantized first, unless it comes quantized."""
     kernel: str
     tile: GemmTile | None = None
 
@@ -216,9 +217,9 @@ class Fp8LinearMethod(LinearMethod):
         129-256 tokens take fp8_gemm_hopper with per-row scales on Hopper where it pays, else
         two_piece_tile's tile where it has one (two_piece_block_tile's, 129-160 tokens, with block
         scales). raw_input: x comes unquantized and without a static input scale, so the GEMV may
-        read it as it is. whole_blocks: the scales are 128 x 128 blocks (per row, each
-        of 128 rows repeating its block's) that cuBLASLt can take, from BLOCK_SCALED_MM_MIN_ROWS. The
-        first rule that fits wins; the constants above say where each was measured."""
+        read it as it is. whole_blocks: the scales are 128 x 128 blocks (per row, each of 128 rows
+        repeating its block's) that cuBLASLt can take, from BLOCK_SCALED_MM_MIN_ROWS. The first rule
+        that fits wins; the constants above say where each was measured."""
         if device is None:
             return Fp8Route("twin")
         if raw_input and rows <= GEMV_MAX_ROWS and dtype != torch.float32:
