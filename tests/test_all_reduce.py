@@ -4,7 +4,6 @@ sums up to its buffer (eagerly and replayed in a CUDA graph), NCCL above it and 
 gloo on the CPU, where there is no one-shot, the backend's sum. The engine at TP=2 with and
 without the one-shot: tests/test_tensor_parallel.py (on 2 GPUs it runs over NCCL)."""
 import os
-import socket
 
 import pytest
 import torch
@@ -42,8 +41,8 @@ def check_rank(rank: int, port: int, device_type: str, failures) -> None:
         if device_type == "cuda":
             torch.cuda.set_device(rank)
             os.environ.update(MULTICAST_OFF)     # as the engine's ranks: no NVLink multicast object, ever
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                world_size=2, rank=rank)
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)     # the parent's, listening since before
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=store, world_size=2, rank=rank)
         start_one_shot_all_reduce(None, torch.device(device), torch.bfloat16)
         assert (all_reduce._one_shot is not None) == (device_type == "cuda")
         dtypes = [torch.bfloat16, torch.float16] if device_type == "cuda" else [torch.float32]
@@ -79,9 +78,8 @@ def check_in_cuda_graph(rank: int, device: str) -> None:
 
 
 def run_two_ranks(device_type: str) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    port = store.port
     context = mp.get_context("spawn")
     failures = context.Queue()
     ranks = [context.Process(target=check_rank, args=(rank, port, device_type, failures)) for rank in range(2)]

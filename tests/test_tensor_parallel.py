@@ -3,6 +3,7 @@ ranks' vocabulary shards or by rank 0, steps overlapped), and clean failure and 
 machine with 2+ GPUs the same tests run over NCCL (device="auto")."""
 import multiprocessing as mp
 import os
+import socket
 import threading
 import time
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 from nanovllm import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from nanovllm.checkpoints.random_checkpoint import write_tiny_model
-from nanovllm.executor.processes import MULTICAST_OFF, WorkerCall
+from nanovllm.executor.processes import MULTICAST_OFF, WorkerCall, open_rendezvous
 from tests.conftest import mixed_prompts
 from tests.test_step_channel import entries_of, shm_entries
 
@@ -224,3 +225,19 @@ def test_collective_rpc_runs_a_worker_method_on_every_rank(model_paths):
         assert status == "error" and "TypeError" in trace
         assert [copy.tolist() for copy in executor.collective_rpc("host_to_device", np.arange(2))] == [[0, 1]] * 2
         assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]["token_ids"]
+
+
+def test_rendezvous_port_stays_taken_until_rank_0_joins_there():
+    """The ranks' address is held listening from before they start: a port only found free could be
+    taken by another process before rank 0 listens on it (EADDRINUSE, or ranks meeting a stranger's
+    store). Rank 0 then joins at that address in the same process."""
+    init_method, rendezvous = open_rendezvous("127.0.0.1")
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", rendezvous.port))
+    dist.init_process_group("gloo", init_method=init_method, world_size=1, rank=0)
+    try:
+        ones = torch.ones(3)
+        dist.all_reduce(ones)
+        assert ones.tolist() == [1.0, 1.0, 1.0]
+    finally:
+        dist.destroy_process_group()

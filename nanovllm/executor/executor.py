@@ -97,9 +97,9 @@ class Executor:
             os.environ.update(MULTICAST_OFF)
             start, stop = (start_ray_workers, stop_ray_workers) if config.distributed_executor_backend == "ray" \
                 else (start_worker_processes, stop_worker_processes)
-            init_method, self.processes = start(config, multi_token_len)
+            init_method, rendezvous, self.processes = start(config, multi_token_len)
             self._stop_processes = weakref.finalize(self, stop, self.processes)
-        self.driver = Worker(config, 0, init_method, multi_token_len)
+        self.driver = Worker(config, 0, init_method, multi_token_len)    # joins at the rendezvous kept open till here
         for process in self.processes:   # before the first collective, which would hang on a dead rank
             process.expect(LOADED)
         self.driver.init_kv_cache()

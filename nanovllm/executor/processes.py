@@ -8,7 +8,6 @@ own worker (Executor.collective_rpc), so a call that holds a collective meets on
 import contextlib
 import multiprocessing as mp
 import signal
-import socket
 import threading
 import traceback
 from dataclasses import dataclass
@@ -81,11 +80,20 @@ class WorkerProcess:
             raise RuntimeError(f"{self.name} failed to start:\n{received}")
 
 
-def start_worker_processes(config: Config, multi_token_len: int | None = None) -> tuple[str, list[WorkerProcess]]:
-    """Ranks 1.. of `config`, each a Worker in a process of its own; and the process group's address."""
-    with socket.socket() as s:           # a free port for the process group's rendezvous
-        s.bind(("127.0.0.1", 0))
-        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+def open_rendezvous(host: str) -> tuple[str, dist.TCPStore]:
+    """The process group's address on `host`, and the store already listening there. A port found
+    free and let go again can be taken by any process before rank 0 listens on it (EADDRINUSE, or
+    ranks meeting another engine's store); rank 0's rendezvous at this address reuses this store's
+    server instead (multi_tenant: one server per address in a process), so keep it until rank 0 joins."""
+    store = dist.TCPStore(host, 0, is_master=True, multi_tenant=True, wait_for_workers=False)
+    return f"tcp://{host}:{store.port}", store
+
+
+def start_worker_processes(config: Config, multi_token_len: int | None = None
+                           ) -> tuple[str, dist.TCPStore, list[WorkerProcess]]:
+    """Ranks 1.. of `config`, each a Worker in a process of its own; and the process group's address
+    with its store (open_rendezvous)."""
+    init_method, rendezvous = open_rendezvous("127.0.0.1")
     context = mp.get_context("spawn")
     workers = []
     tp = config.tensor_parallel_size
@@ -101,7 +109,7 @@ def start_worker_processes(config: Config, multi_token_len: int | None = None) -
         name = "" if config.pipeline_parallel_size == 1 else \
             f"worker rank {rank} (pipeline stage {stage}, tensor-parallel rank {tp_rank})"
         workers.append(WorkerProcess(rank, process, parent_end, channel, name))
-    return init_method, workers
+    return init_method, rendezvous, workers
 
 
 def stop_worker_processes(workers: list[WorkerProcess]) -> None:

@@ -12,7 +12,6 @@ initialised in this process, it is used as it is; else `ray.init()` joins the cl
 RAY_ADDRESS or one `ray start` runs on this machine, else starts a local one (shut down at close).
 """
 import os
-import socket
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.core.step import StepInputs
-from nanovllm.executor.processes import LOADED, MULTICAST_OFF, WorkerCall
+from nanovllm.executor.processes import LOADED, MULTICAST_OFF, WorkerCall, open_rendezvous
 from nanovllm.worker.worker import Worker
 
 # How long to wait for the cluster to grant every stage's bundles, and for actors to stop.
@@ -203,9 +202,10 @@ def _place_stages(config: Config, resource: str) -> list:
     return groups
 
 
-def start_ray_workers(config: Config, multi_token_len: int | None = None) -> tuple[str, list[RayRank]]:
+def start_ray_workers(config: Config, multi_token_len: int | None = None
+                      ) -> tuple[str, dist.TCPStore, list[RayRank]]:
     """Ranks 1.. of `config`, each a RayWorker actor; and the process group's address (this node's
-    IP, reachable from the others). Checks the cluster before any weight is read."""
+    IP, reachable from the others) with its store (open_rendezvous). Checks the cluster before any weight is read."""
     import ray
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -217,9 +217,7 @@ def start_ray_workers(config: Config, multi_token_len: int | None = None) -> tup
         _check_cluster(config, resource)
         group.placement_groups = _place_stages(config, resource)
         ip = ray.util.get_node_ip_address()
-        with socket.socket() as s:           # a free port for the process group's rendezvous
-            s.bind((ip, 0))
-            init_method = f"tcp://{ip}:{s.getsockname()[1]}"
+        init_method, rendezvous = open_rendezvous(ip)
         actor_class = ray.remote(RayWorker)
         tp, ranks = config.tensor_parallel_size, []
         for rank in range(1, config.world_size):
@@ -235,7 +233,7 @@ def start_ray_workers(config: Config, multi_token_len: int | None = None) -> tup
             handle.node_id, handle.node_ip, handle.pid = node_id, node_ip, pid
         for handle in ranks:
             handle.loading = handle.actor.load.remote(config, handle.rank, init_method, multi_token_len)
-        return init_method, ranks
+        return init_method, rendezvous, ranks
     except BaseException:
         for g in group.placement_groups:
             remove_placement_group(g)
