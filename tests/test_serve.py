@@ -645,7 +645,7 @@ def test_engine_arguments_become_flags():
         parse_args(["/models/m", "--max-model-len", "many"])
 
 
-def test_console_script_and_bad_model_exit_cleanly(tmp_path):
+def test_console_script_bad_model_and_taken_port_exit_cleanly(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO)
     console = "import sys; from nanovllm.serve.cli import console; sys.argv = ['nanovllm'] + sys.argv[1:]; console()"
     shown = subprocess.run([sys.executable, "-c", console, "serve", "--help"], cwd=REPO, env=env,
@@ -654,6 +654,14 @@ def test_console_script_and_bad_model_exit_cleanly(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "nanovllm.serve", str(tmp_path / "none"), "--device", "cpu"],
                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 1 and "model" in missing.stderr and "Traceback" not in missing.stderr
+    with socket.socket() as taken:      # the port is checked first: a missing model is not even looked at
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = subprocess.run([sys.executable, "-m", "nanovllm.serve", str(tmp_path / "none"), "--port", str(port)],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert busy.returncode == 1 and f"--port {port}" in busy.stderr and "in use" in busy.stderr, busy.stderr
+    assert "Traceback" not in busy.stderr and "model" not in busy.stderr
 
 
 # ---- bench_serving.py and shutdown ---------------------------------------------------------------

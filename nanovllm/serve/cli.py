@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import json
 import signal
+import socket
 import sys
 import typing
 from dataclasses import MISSING, fields
@@ -112,8 +113,30 @@ class GracefulServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, listening before the engine loads: a port already taken fails at once
+    instead of after the weights load, and no other process can take it meanwhile."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # a restart need not wait out TIME_WAIT
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        sys.exit(f"nanovllm serve: --host {host} --port {port}: {e.strerror or e}")
+    return sock
+
+
 def main(argv: list[str] | None = None) -> None:
     args, engine_args = parse_args(argv)
+    sock = listening_socket(args.host, args.port)
+    try:
+        serve(args, engine_args, sock)
+    finally:
+        sock.close()
+
+
+def serve(args: argparse.Namespace, engine_args: dict, sock: socket.socket) -> None:
     model = args.model
     if model is None:
         from nanovllm import demo          # imported here: only needed without MODEL
@@ -130,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
                         args.enable_rollout_endpoints)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=10)
-        GracefulServer(config, on_shutdown=llm.abort_all).run()
+        GracefulServer(config, on_shutdown=llm.abort_all).run(sockets=[sock])
     finally:
         llm.shutdown()
 
