@@ -1,6 +1,7 @@
 """Tensor parallelism over CPU processes (gloo): the same tokens as one process (sampled on the
 ranks' vocabulary shards or by rank 0, steps overlapped), and clean failure and shutdown. On a
 machine with 2+ GPUs the same tests run over NCCL (device="auto")."""
+import glob
 import multiprocessing as mp
 import os
 import socket
@@ -11,9 +12,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from nanovllm.checkpoints.random_checkpoint import write_tiny_model
+from nanovllm.executor import executor as executor_module
+from nanovllm.executor import processes
 from nanovllm.executor.processes import MULTICAST_OFF, WorkerCall, open_rendezvous
 from tests.conftest import mixed_prompts
 from tests.test_step_channel import entries_of, shm_entries
@@ -164,6 +168,47 @@ def test_second_engine_after_shutdown(model_paths, hf_greedy):
         for pid in pids:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
+
+
+def test_failed_starts_leave_nothing_behind_and_the_next_engine_starts(model_paths, hf_greedy, tmp_path,
+                                                                      monkeypatch):
+    """A checkpoint lacking a weight, and a rendezvous rank 0 cannot listen at (what a port taken in
+    between used to cause), each fail with their error and leave no process, shared memory or
+    process group: an engine started next in this process forms its group with fresh ranks (torch
+    counts a group whose init failed: uncorrected, the next one waited 10 minutes for its ranks)."""
+    path = model_paths["gqa_tied"]
+    lacking = write_tiny_model(str(tmp_path / "lacking"))
+    shard = glob.glob(f"{lacking}/*.safetensors")[0]
+    weights = load_file(shard)
+    del weights["model.layers.0.mlp.down_proj.weight"]
+    save_file(weights, shard)
+    with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj.weight"):
+        LLM(lacking, kvcache_block_size=16, tensor_parallel_size=2)
+    assert not mp.active_children() and not dist.is_initialized()
+
+    before = shm_entries()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+
+        def start_at_the_taken_port(config, multi_token_len=None):
+            _, rendezvous, workers = processes.start_worker_processes(config, multi_token_len)
+            return f"tcp://127.0.0.1:{taken.getsockname()[1]}", rendezvous, workers
+
+        with monkeypatch.context() as patch:
+            patch.setattr(executor_module, "start_worker_processes", start_at_the_taken_port)
+            with pytest.raises(dist.DistNetworkError, match="EADDRINUSE"):
+                LLM(path, kvcache_block_size=16, tensor_parallel_size=2)
+    assert not mp.active_children() and not dist.is_initialized() and shm_entries() <= before
+
+    prompt = mixed_prompts(500, lengths=(20,))[0]
+    start = time.monotonic()
+    with LLM(path, kvcache_block_size=16, tensor_parallel_size=2) as llm:
+        assert time.monotonic() - start < 60
+        with pytest.raises(RuntimeError, match="already initialized"):    # the open engine's group stays its own
+            LLM(path, kvcache_block_size=16, tensor_parallel_size=2)
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(path, prompt, 16)
+    assert not mp.active_children()
 
 
 def test_tensor_parallel_size_is_checked(model_paths):

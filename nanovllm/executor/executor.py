@@ -79,6 +79,22 @@ class LaunchedStep:
         return self.logits is None and self.incoming is None
 
 
+def leave_process_group(clean: bool) -> None:
+    """Leave the group this engine's rank 0 joined (an engine runs alone in its process: the group is
+    its own). `clean`: every rank left too; else do not wait for them (a plain destroy can hang on NCCL)."""
+    if not dist.is_initialized():
+        # a failed init_process_group still counted its group (pytorch#46561): the next group here
+        # would take another name than fresh ranks give theirs, and wait for them until its timeout
+        dist.distributed_c10d._world.group_count = 0
+    elif clean:
+        dist.destroy_process_group()
+    else:
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except (AttributeError, RuntimeError):
+            dist.destroy_process_group()
+
+
 class Executor:
     """Rank 0's worker in this process, the others in worker processes (processes.py) or Ray actors
     (ray_processes.py, distributed_executor_backend="ray"): handles of the same interface."""
@@ -94,15 +110,23 @@ class Executor:
         self.sampled_events: dict[int, torch.cuda.Event] = {}    # on the sample stream: row offset -> ids written
         init_method = None
         if config.world_size > 1:     # tensor-parallel ranks and pipeline stages
+            if dist.is_initialized():
+                raise RuntimeError("tensor_parallel_size x pipeline_parallel_size > 1 needs torch.distributed's "
+                                   "default process group, which is already initialized in this process (another "
+                                   "multi-rank engine still open?): close it first")
             os.environ.update(MULTICAST_OFF)
             start, stop = (start_ray_workers, stop_ray_workers) if config.distributed_executor_backend == "ray" \
                 else (start_worker_processes, stop_worker_processes)
             init_method, rendezvous, self.processes = start(config, multi_token_len)
             self._stop_processes = weakref.finalize(self, stop, self.processes)
-        self.driver = Worker(config, 0, init_method, multi_token_len)    # joins at the rendezvous kept open till here
-        for process in self.processes:   # before the first collective, which would hang on a dead rank
-            process.expect(LOADED)
-        self.driver.init_kv_cache()
+        try:
+            self.driver = Worker(config, 0, init_method, multi_token_len)    # joins at the rendezvous kept open till here
+            for process in self.processes:   # before the first collective, which would hang on a dead rank
+                process.expect(LOADED)
+            self.driver.init_kv_cache()
+        except BaseException:
+            self._abandon_start()
+            raise
         if self.driver.is_cuda and config.pipeline_parallel_size > 1:
             self.sample_stream = torch.cuda.Stream(self.driver.device)
         self.unseeded = np.random.default_rng()
@@ -411,6 +435,16 @@ class Executor:
         for process in self.processes:
             process.check_alive()
 
+    def _abandon_start(self) -> None:
+        """A start that failed part way leaves nothing behind, so the next engine in this process can
+        start: the other ranks are killed (they may wait in a collective) and the group is left."""
+        if self.processes:
+            for process in self.processes:
+                process.kill()
+            self._stop_processes()
+        if self.config.world_size > 1:
+            leave_process_group(clean=False)
+
     def close(self) -> None:
         """Stop the worker processes, leave the process group and free rank 0's device memory."""
         if self.processes:
@@ -420,11 +454,5 @@ class Executor:
             self._stop_processes()
         clean = all(process.exited_cleanly for process in self.processes)
         self.driver.close()
-        if self.config.world_size > 1 and dist.is_initialized():     # the group this engine started, not another's
-            if clean:
-                dist.destroy_process_group()
-            else:   # a rank died: do not wait for it (a plain destroy can hang on NCCL)
-                try:
-                    dist.distributed_c10d._abort_process_group()
-                except (AttributeError, RuntimeError):
-                    dist.destroy_process_group()
+        if self.config.world_size > 1:
+            leave_process_group(clean)
