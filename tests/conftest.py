@@ -3,6 +3,7 @@ import gc
 import json
 import os
 import random
+import socket
 
 import pytest
 import torch
@@ -105,6 +106,27 @@ def child_pids(pid: int) -> set[int]:
         frontier = {child for child, parent in parents.items() if parent in frontier} - found
         found |= frontier
     return found
+
+
+EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def free_port() -> int:
+    """A free port below Linux's ephemeral range, which every connection's local port and every bind
+    to port 0 draw from: no other process takes it before a server binds it. Drawn from the system's
+    randomness, not the seedable module state, so that two test workers do not draw alike."""
+    low = 32768     # the range's default start
+    if os.path.exists(EPHEMERAL_PORTS):
+        with open(EPHEMERAL_PORTS) as f:
+            low = int(f.read().split()[0])
+    while True:
+        port = random.SystemRandom().randrange(max(1024, low - 10000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
 
 
 def alive(pid: int) -> bool:

@@ -5,7 +5,6 @@ import glob
 import multiprocessing as mp
 import os
 import shutil
-import socket
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from nanovllm.kernels import int_dequantize
 from nanovllm.kernels import zeroed_workspace as zeroed_workspace_module
 from nanovllm.kernels.int_dequantize import dequantize
 from nanovllm.kernels.zeroed_workspace import zeroed_workspace
-from tests.conftest import mixed_prompts
+from tests.conftest import free_port, mixed_prompts
 
 torch.set_num_threads(2)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
@@ -140,12 +139,6 @@ def trainer(path: str, port: int, world_size: int) -> None:
     group = weight_sync_group("127.0.0.1", port, 0, world_size, "gloo")
     for tensor in tensors(path).values():
         group.broadcast(tensor.contiguous())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_update_from_a_trainer_process_equals_the_in_process_update(paths, reference):

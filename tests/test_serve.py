@@ -19,19 +19,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.serve.cli import parse_args
-from tests.conftest import alive, child_pids, mixed_prompts
+from tests.conftest import alive, child_pids, free_port, mixed_prompts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 API_KEY = "test-key"
 MODEL_NAME = "tiny-qwen3"
 ENGINE_ARGS = dict(device="cpu", max_model_len=512, kvcache_block_size=16, num_kvcache_blocks=160)
 GREEDY = dict(temperature=0, ignore_eos=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_flags(engine_args: dict) -> list[str]:
