@@ -19,6 +19,7 @@ from nanovllm.checkpoints.random_checkpoint import write_tiny_model
 from nanovllm.executor import executor as executor_module
 from nanovllm.executor import processes
 from nanovllm.executor.processes import MULTICAST_OFF, WorkerCall, open_rendezvous
+from nanovllm.layers.parallel_state import parallel_state
 from tests.conftest import mixed_prompts
 from tests.test_step_channel import entries_of, shm_entries
 
@@ -173,9 +174,9 @@ def test_second_engine_after_shutdown(model_paths, hf_greedy):
 def test_failed_starts_leave_nothing_behind_and_the_next_engine_starts(model_paths, hf_greedy, tmp_path,
                                                                       monkeypatch):
     """A checkpoint lacking a weight, and a rendezvous rank 0 cannot listen at (what a port taken in
-    between used to cause), each fail with their error and leave no process, shared memory or
-    process group: an engine started next in this process forms its group with fresh ranks (torch
-    counts a group whose init failed: uncorrected, the next one waited 10 minutes for its ranks)."""
+    between used to cause), each fail with their error and leave no process, shared memory, process
+    group or parallel state: an engine started next in this process forms its group with fresh ranks
+    (torch counts a group whose init failed: uncorrected, the next one waited 10 minutes for them)."""
     path = model_paths["gqa_tied"]
     lacking = write_tiny_model(str(tmp_path / "lacking"))
     shard = glob.glob(f"{lacking}/*.safetensors")[0]
@@ -185,6 +186,7 @@ def test_failed_starts_leave_nothing_behind_and_the_next_engine_starts(model_pat
     with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj.weight"):
         LLM(lacking, kvcache_block_size=16, tensor_parallel_size=2)
     assert not mp.active_children() and not dist.is_initialized()
+    assert parallel_state().tp_size == 1      # rank 0's process-wide state went with it
 
     before = shm_entries()
     with socket.socket() as taken:

@@ -44,7 +44,7 @@ from nanovllm.sample.sampler import SamplerOutput, SamplingTensors
 from nanovllm.sample.rejection_sampler import rejection_sample
 from nanovllm.executor.verify_inputs import build_verify_tensors, verify_rows
 from nanovllm.worker.pipeline import IncomingLogits
-from nanovllm.worker.worker import Worker
+from nanovllm.worker.worker import Worker, release_process_state
 
 
 @dataclass(slots=True)
@@ -119,13 +119,16 @@ class Executor:
                 else (start_worker_processes, stop_worker_processes)
             init_method, rendezvous, self.processes = start(config, multi_token_len)
             self._stop_processes = weakref.finalize(self, stop, self.processes)
+        driver = None
         try:
-            self.driver = Worker(config, 0, init_method, multi_token_len)    # joins at the rendezvous kept open till here
+            # rank 0 joins the group at the rendezvous kept open till here
+            self.driver = driver = Worker(config, 0, init_method, multi_token_len)
             for process in self.processes:   # before the first collective, which would hang on a dead rank
                 process.expect(LOADED)
             self.driver.init_kv_cache()
         except BaseException:
-            self._abandon_start()
+            self.ranks_apart = True     # the other ranks may wait in a collective: kill them, do not wait
+            self._shut_down(driver)
             raise
         if self.driver.is_cuda and config.pipeline_parallel_size > 1:
             self.sample_stream = torch.cuda.Stream(self.driver.device)
@@ -435,24 +438,22 @@ class Executor:
         for process in self.processes:
             process.check_alive()
 
-    def _abandon_start(self) -> None:
-        """A start that failed part way leaves nothing behind, so the next engine in this process can
-        start: the other ranks are killed (they may wait in a collective) and the group is left."""
-        if self.processes:
-            for process in self.processes:
-                process.kill()
-            self._stop_processes()
-        if self.config.world_size > 1:
-            leave_process_group(clean=False)
-
     def close(self) -> None:
-        """Stop the worker processes, leave the process group and free rank 0's device memory."""
+        """Stop the worker processes, free rank 0's device memory and leave the process group."""
+        self._shut_down(self.driver)
+
+    def _shut_down(self, driver: Worker | None) -> None:
+        """close(), also for a start that failed part way, before rank 0's worker was built or after:
+        nothing is left behind, so that the next engine in this process can start."""
         if self.processes:
             if self.needs_restart:     # the processes wait in a collective rank 0 left: do not wait for them
                 for process in self.processes:
                     process.kill()
             self._stop_processes()
         clean = all(process.exited_cleanly for process in self.processes)
-        self.driver.close()
+        if driver is not None:
+            driver.close()
+        else:
+            release_process_state()
         if self.config.world_size > 1:
             leave_process_group(clean)

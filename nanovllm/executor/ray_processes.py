@@ -205,7 +205,8 @@ def _place_stages(config: Config, resource: str) -> list:
 def start_ray_workers(config: Config, multi_token_len: int | None = None
                       ) -> tuple[str, dist.TCPStore, list[RayRank]]:
     """Ranks 1.. of `config`, each a RayWorker actor; and the process group's address (this node's
-    IP, reachable from the others) with its store (open_rendezvous). Checks the cluster before any weight is read."""
+    IP, reachable from the others) with its store (open_rendezvous). Checks the cluster before any
+    weight is read."""
     import ray
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -51,6 +51,13 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
+def release_process_state() -> None:
+    """Forget what a rank sets for its whole process (the parallel state, the one-shot all-reduce):
+    at close, and when its start failed part way, so that the next engine here starts from none."""
+    reset_parallel_state()
+    stop_one_shot_all_reduce()
+
+
 class Worker(WorkerRollout):
     """One rank: rank 0 lives in the engine's process, the others in processes an executor starts.
     Rollout control (in-place weight updates, sleep and wake up) is WorkerRollout's (rollout.py)."""
@@ -376,8 +383,7 @@ class Worker(WorkerRollout):
     def close(self) -> None:
         """Free this rank's device memory (the executor leaves the process group)."""
         self.graphs, self.model, self.last_token_ids = [], None, None
-        reset_parallel_state()
-        stop_one_shot_all_reduce()
+        release_process_state()
         self.kv_cache.release()
         if self.host_kv_cache is not None:
             self.host_kv_cache.release()
