@@ -18,6 +18,10 @@
 #                                        # bench.py at TP=1, TP=2 (and with NCCL only) and PP=2, a TP=2 decode profile
 #   bash scripts/gpu_check.sh four       # four GPUs, Qwen3-32B shape: batch-1 latency at TP=1, 2, 4 and bench.py at
 #                                        # TP=1, 2, 4 and TP=2 x PP=2 (each rank's host time beside each)
+#   bash scripts/gpu_check.sh quant      # quantized weights, Qwen3-8B shape, FP8 KV: bench.py with each of FORMATS
+#                                        # (default "bf16 awq fp8"; BASE=DIR alternates) and each one's floor
+#   bash scripts/gpu_check.sh quant-gemm # bench_latency.py at batch 1, 8, 16, 64 for each format, then each format's
+#                                        # GEMMs per projection (TFLOP/s, 16-256 rows) and the float8 GEMM routes
 #   bash scripts/gpu_check.sh quant-tp   # two GPUs: bench.py with FP8 weights and the Qwen3-30B-A3B shape, TP=1 and 2
 # Arguments after the stage go to its Python commands: `bash scripts/gpu_check.sh latency --enforce-eager`.
 # Logs go to $OUT (or ./gpu_logs).
@@ -25,9 +29,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:-}
 case "$stage" in
-  tests|bench|latency|serving|moe|profile|peer|parallel|four|quant-tp) shift ;;
+  tests|bench|latency|serving|moe|profile|peer|parallel|four|quant|quant-gemm|quant-tp) shift ;;
   -h|--help|help) sed -n '2,/^set /p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
-  *) echo "usage: bash scripts/gpu_check.sh tests|bench|latency|serving|moe|profile|peer|parallel|four|quant-tp [ARGS...]" \
+  *) echo "usage: bash scripts/gpu_check.sh tests|bench|latency|serving|moe|profile|peer|parallel|four|quant|quant-gemm|quant-tp [ARGS...]" \
        "(--help)" >&2; exit 2 ;;
 esac
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1   # keep carried wheels (/tmp/site) visible
@@ -93,12 +97,15 @@ if [ "$stage" = serving ]; then
   for tree in ${BASE:-}; do serve_bench "$tree" "$(basename "$tree")" inf; done
   serve_bench . here ${RATES:-16 64 inf}
 fi
-if [ "$stage" = moe ]; then
-  bandwidth=$(python -c "
+copy_bandwidth() {   # bytes/s the device copies 4 GiB at, for the floors
+  python -c "
 import torch
 from triton.testing import do_bench
 x = torch.empty(4 << 30, dtype=torch.uint8, device='cuda'); y = torch.empty_like(x)
-print(f'{2 * x.numel() / (do_bench(lambda: y.copy_(x)) / 1e3):.3e}')")
+print(f'{2 * x.numel() / (do_bench(lambda: y.copy_(x)) / 1e3):.3e}')"
+}
+if [ "$stage" = moe ]; then
+  bandwidth=$(copy_bandwidth)
   echo "device copy bandwidth $bandwidth B/s"
   python scripts/bench_floor.py configs/qwen3-30b-a3b.json --bandwidth "$bandwidth"
   python bench.py --config configs/qwen3-30b-a3b.json "$@" 2>&1 | tee "$LOGS/bench_moe.log" | grep -E "Throughput|nanovllm:"
@@ -141,6 +148,29 @@ if [ "$stage" = four ]; then
     timeout 150 python scripts/rank_host_times.py bench --config configs/qwen3-32b.json $args "$@" 2>&1 \
       | tee -a "$LOGS/bench_four.log" | grep -E "Throughput|^rank" | sed "s|^|$args: |"
   done
+fi
+quantization() {   # FORMAT: bench.py's and bench_latency.py's argument for it (none for bf16)
+  case "$1" in bf16) ;; *) echo "--quantization $1" ;; esac
+}
+if [ "$stage" = quant ]; then
+  for format in ${FORMATS:-bf16 awq fp8}; do
+    for tree in ${BASE:-} .; do bench "$tree" qwen3-8b fp8 $(quantization $format) "$@" | sed "s|^|$format |"; done
+  done
+  bandwidth=$(copy_bandwidth)
+  echo "device copy bandwidth $bandwidth B/s"
+  for format in ${FORMATS:-bf16 awq fp8}; do   # bytes a weight: 4 bits plus a 16-bit scale and zero per 128
+    linear_bytes=$(case $format in bf16) echo 2 ;; fp8) echo 1 ;; *) echo 0.53 ;; esac)
+    python scripts/bench_floor.py configs/qwen3-8b.json --kv-bytes 1 --linear-bytes $linear_bytes \
+      --bandwidth "$bandwidth" | sed "s|^|$format floor: |"
+  done
+fi
+if [ "$stage" = quant-gemm ]; then
+  for format in bf16 awq fp8; do
+    timeout 150 python bench_latency.py --config configs/qwen3-8b.json --batch-sizes 1,8,16,64 --output-len 128 \
+      $(quantization $format) "$@" 2>&1 | tee -a "$LOGS/latency_quant.log" | grep -E "^batch|^\{" | sed "s|^|$format: |"
+  done
+  timeout 150 python scripts/int_gemm_bench.py --tflops 2>&1 | tee "$LOGS/gemm_tflops.log" | grep -v Warn | tail -30
+  timeout 120 python scripts/int_gemm_bench.py --w8a8 2>&1 | tee "$LOGS/gemm_w8a8.log" | grep -v Warn | tail -30
 fi
 if [ "$stage" = quant-tp ]; then
   for tp in 1 2; do

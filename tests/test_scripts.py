@@ -56,7 +56,7 @@ def test_python_tool_prints_its_usage(help_runs, name):
 def test_gpu_round_lists_its_stages(help_runs):
     result = help_runs["gpu_check.sh"]
     assert result["code"] is None, result
-    for stage in ("tests", "bench", "latency", "serving", "moe", "profile"):
+    for stage in ("tests", "bench", "latency", "serving", "moe", "profile", "parallel", "quant", "quant-gemm"):
         assert f"gpu_check.sh {stage}" in result["out"]
 
 
