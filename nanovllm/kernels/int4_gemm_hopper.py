@@ -3,28 +3,23 @@ the program itself places the loads, the products and the waits that tl.dot's pi
 
 The same arithmetic as int4_gemm.py (two packed words of a column dequantized to 16 weights by its
 `dequantize_asm`, the weight tile the matrix cores' register operand, out^T = W^T x^T, x read as it
-is thanks to int_gemm's step order), scheduled differently: x and the packed words of each 128-row step come by
-TMA into a ring of STAGES buffers, each signalled by an mbarrier; a step's two products (rows 0-3 of
-the words, then 4-7) add into one set of float32 sums and the program waits after each product
-until one is left in flight, so one half is dequantized while the other multiplies. The last product
-is retired inside the loop, not after it: there ptxas moved the epilogue's reads of the sums above
-the wait. From 65 rows 128 x 128 tiles of two warp groups: on one H200 (2026-12-02, K split as
-int4_gemm's then) the 8B projections x36 at 96 / 128 / 160 / 192 / 256 rows took 5.06 / 5.31 /
-8.05 / 7.84 / 8.01 ms against int4_gemm's 5.51 / 5.72 / 8.96 / 8.94 / 8.68. At 129-160 rows
-the tile is one x piece of 128 rows and a second of 32, both multiplied by each dequantized weight
-tile (x36 at 136 / 160 rows 6.61 / 6.77 ms against 8.22 / 7.70 in two 128-row tiles; H200,
-2026-12-03). Past 160 rows, 256-row tiles where each program keeps 24 steps of K (wide_tile_pays).
-From 65 rows the programs run whole tiles in full waves and split only the last wave's tiles
-(balanced_split): gate_up's 192 tiles of 128 columns left 60 SMs idle for a whole tile's time. x36 on
-one H200 (2026-12-04) at 96 / 128 / 160 / 192 / 256 rows 4.41 / 4.61 / 6.28 / 6.70 / 7.01 ms against
-4.72 / 4.95 / 6.79 / 7.35 / 7.45. Fewer rows take x
-tiles of 8, 16, 32 or 64 rows (the products as wide, K split to about three programs per SM up to 16
-rows, two above): the 8B projections x36 on one H200 at 8 / 16 rows
-2.12 / 2.28 ms against int4_gemv's 2.50 / 2.62 (the 4-stage ring keeps more weight bytes in flight
-than the GEMV's loads), at 32 / 64 rows 2.76 / 3.24 against int4_gemm's 3.00 / 3.55; at one row 2.10
-against the GEMV's 2.02, so one row stays there. Gluon runs only compiled, so there is no interpreter
-path: the twin is int_gemm's `int_gemm_ref`, checked on the GPU, and the build for sm_90a is checked
-without one.
+is thanks to int_gemm's step order), scheduled differently: x and the packed words of each 128-row
+step come by TMA into a ring of STAGES buffers, each signalled by an mbarrier; a step's two products
+(rows 0-3 of the words, then 4-7) add into one set of float32 sums and the program waits after each
+product until one is left in flight, so one half is dequantized while the other multiplies. The last
+product is retired inside the loop, not after it: there ptxas moved the epilogue's reads of the sums
+above the wait.
+
+The x tile follows the rows (rows_tile): 8, 16, 32 or 64 rows with K split to a few programs an SM;
+from 65 rows 128 x 128 tiles of two warp groups; at 129-160 rows one 128-row piece and a 32-row one,
+both multiplied by each dequantized weight tile; past 160, 256-row tiles where each program keeps
+WIDE_MIN_STEPS steps of K. From 65 rows the programs run whole tiles in full waves and split only
+the last wave's tiles (balanced_split). One row stays int4_gemv's (a hair faster there). What each
+choice bought, per projection and row count: docs/benchmarks.md ("Quantized weights") and
+benchmarks.json.
+
+Gluon runs only compiled, so there is no interpreter path: the twin is int_gemm's `int_gemm_ref`,
+checked on the GPU, and the build for sm_90a is checked without one.
 """
 import torch
 
