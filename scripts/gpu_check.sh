@@ -153,12 +153,13 @@ quantization() {   # FORMAT: bench.py's and bench_latency.py's argument for it (
   case "$1" in bf16) ;; *) echo "--quantization $1" ;; esac
 }
 if [ "$stage" = quant ]; then
-  for format in ${FORMATS:-bf16 awq fp8}; do
+  formats=${FORMATS:-bf16 awq fp8}
+  for format in $formats; do
     for tree in ${BASE:-} .; do bench "$tree" qwen3-8b fp8 $(quantization $format) "$@" | sed "s|^|$format |"; done
   done
   bandwidth=$(copy_bandwidth)
   echo "device copy bandwidth $bandwidth B/s"
-  for format in ${FORMATS:-bf16 awq fp8}; do   # bytes a weight: 4 bits plus a 16-bit scale and zero per 128
+  for format in $formats; do   # bytes a weight: 4 bits plus a 16-bit scale and zero per 128
     linear_bytes=$(case $format in bf16) echo 2 ;; fp8) echo 1 ;; *) echo 0.53 ;; esac)
     python scripts/bench_floor.py configs/qwen3-8b.json --kv-bytes 1 --linear-bytes $linear_bytes \
       --bandwidth "$bandwidth" | sed "s|^|$format floor: |"
