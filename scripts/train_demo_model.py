@@ -372,6 +372,7 @@ def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
                        ) -> list[str]:
     """Greedy completions of prompt texts up to <|im_end|> (" <no eos>" marks one cut short), with a KV
     cache; prompts of one length in tokens are batched together, so no padding."""
+    from transformers import DynamicCache
     device = next(model.parameters()).device
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
@@ -383,7 +384,10 @@ def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
         for start in range(0, len(indices), batch_size):
             chunk = indices[start:start + batch_size]
             ids = torch.tensor([prompt_ids[i] for i in chunk], device=device)
-            out = model(ids, use_cache=True)
+            # forward's fourth argument is the cache, filled in place (its keyword is past_key_values
+            # before transformers 5.25 and cache after)
+            cache = DynamicCache()
+            out = model(ids, None, None, cache, use_cache=True)
             generated, done = [], torch.zeros(len(chunk), dtype=torch.bool, device=device)
             for _ in range(max_new_tokens):
                 next_ids = out.logits[:, -1].argmax(-1)
@@ -391,7 +395,7 @@ def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
                 done |= next_ids == eos
                 if done.all():
                     break
-                out = model(next_ids[:, None], past_key_values=out.past_key_values, use_cache=True)
+                out = model(next_ids[:, None], None, None, cache, use_cache=True)
             generated = torch.stack(generated, dim=1).tolist()
             for row, i in enumerate(chunk):
                 tokens = generated[row]
