@@ -73,9 +73,9 @@ def one_rank_placement_recorded():
     placed, start = {}, ray_processes.start_ray_workers
 
     def start_and_record(*args, **kwargs):
-        init_method, rendezvous, ranks = start(*args, **kwargs)
+        rendezvous, ranks = start(*args, **kwargs)
         placed.update((r.rank, r.node_id) for r in ranks)
-        return init_method, rendezvous, ranks
+        return rendezvous, ranks
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(executor_module, "start_ray_workers", start_and_record)

@@ -173,10 +173,10 @@ def test_second_engine_after_shutdown(model_paths, hf_greedy):
 
 def test_failed_starts_leave_nothing_behind_and_the_next_engine_starts(model_paths, hf_greedy, tmp_path,
                                                                       monkeypatch):
-    """A checkpoint lacking a weight, and a rendezvous rank 0 cannot listen at (what a port taken in
-    between used to cause), each fail with their error and leave no process, shared memory, process
-    group or parallel state: an engine started next in this process forms its group with fresh ranks
-    (torch counts a group whose init failed: uncorrected, the next one waited 10 minutes for them)."""
+    """A checkpoint lacking a weight, and a process group rank 0 cannot form (its store refuses writes),
+    each fail with their error and leave no process, shared memory, process group or parallel state:
+    an engine started next in this process forms its group with fresh ranks (torch counts a group
+    whose init failed: uncorrected, the next one waited 10 minutes for them)."""
     path = model_paths["gqa_tied"]
     lacking = write_tiny_model(str(tmp_path / "lacking"))
     shard = glob.glob(f"{lacking}/*.safetensors")[0]
@@ -189,18 +189,22 @@ def test_failed_starts_leave_nothing_behind_and_the_next_engine_starts(model_pat
     assert parallel_state().tp_size == 1      # rank 0's process-wide state went with it
 
     before = shm_entries()
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
+    kept = []
 
-        def start_at_the_taken_port(config, multi_token_len=None):
-            _, rendezvous, workers = processes.start_worker_processes(config, multi_token_len)
-            return f"tcp://127.0.0.1:{taken.getsockname()[1]}", rendezvous, workers
+    class RefusingStore(dist.Store):
+        def set(self, key, value):
+            raise dist.DistStoreError(f"refused to set {key}")
 
-        with monkeypatch.context() as patch:
-            patch.setattr(executor_module, "start_worker_processes", start_at_the_taken_port)
-            with pytest.raises(dist.DistNetworkError, match="EADDRINUSE"):
-                LLM(path, kvcache_block_size=16, tensor_parallel_size=2)
+    def start_rank_0_on_a_refusing_store(config, multi_token_len=None):
+        rendezvous, workers = processes.start_worker_processes(config, multi_token_len)
+        kept.append(rendezvous)     # the workers meet here; rank 0 is given a store its group cannot form on
+        return RefusingStore(), workers
+
+    with monkeypatch.context() as patch:
+        patch.setattr(executor_module, "start_worker_processes", start_rank_0_on_a_refusing_store)
+        with pytest.raises(dist.DistStoreError, match="refused to set"):
+            LLM(path, kvcache_block_size=16, tensor_parallel_size=2)
+    kept.clear()
     assert not mp.active_children() and not dist.is_initialized() and shm_entries() <= before
 
     prompt = mixed_prompts(500, lengths=(20,))[0]
@@ -274,17 +278,20 @@ def test_collective_rpc_runs_a_worker_method_on_every_rank(model_paths):
         assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]["token_ids"]
 
 
-def test_rendezvous_port_stays_taken_until_rank_0_joins_there():
-    """The ranks' address is held listening from before they start: a port only found free could be
-    taken by another process before rank 0 listens on it (EADDRINUSE, or ranks meeting a stranger's
-    store). Rank 0 then joins at that address in the same process."""
-    init_method, rendezvous = open_rendezvous("127.0.0.1")
-    with socket.socket() as other, pytest.raises(OSError):
-        other.bind(("127.0.0.1", rendezvous.port))
-    dist.init_process_group("gloo", init_method=init_method, world_size=1, rank=0)
-    try:
-        ones = torch.ones(3)
-        dist.all_reduce(ones)
-        assert ones.tolist() == [1.0, 1.0, 1.0]
-    finally:
-        dist.destroy_process_group()
+def test_rank_0_forms_its_group_on_the_store_listening_from_the_start(model_paths, monkeypatch):
+    """The ranks' store listens from before they start, and rank 0 forms the group on that very store
+    (the worker ranks only connect to it), listening nowhere else: a port only found free, or listened
+    on a second time, could be taken by another process in between (EADDRINUSE, or ranks meeting a
+    stranger's store)."""
+    opened = []
+
+    def open_and_keep(host):
+        opened.append(open_rendezvous(host))
+        return opened[-1]
+
+    monkeypatch.setattr(processes, "open_rendezvous", open_and_keep)
+    with LLM(model_paths["gqa_tied"], tensor_parallel_size=2, kvcache_block_size=16) as llm:
+        (rendezvous,) = opened
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", rendezvous.port))
+        assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]["token_ids"]

@@ -108,7 +108,7 @@ class Executor:
         self.sample_stream: torch.cuda.Stream | None = None     # pipeline stages on GPUs: see _on_sample_stream
         self.num_launched = 0
         self.sampled_events: dict[int, torch.cuda.Event] = {}    # on the sample stream: row offset -> ids written
-        init_method = None
+        rendezvous = None
         if config.world_size > 1:     # tensor-parallel ranks and pipeline stages
             if dist.is_initialized():
                 raise RuntimeError("tensor_parallel_size x pipeline_parallel_size > 1 needs torch.distributed's "
@@ -117,12 +117,12 @@ class Executor:
             os.environ.update(MULTICAST_OFF)
             start, stop = (start_ray_workers, stop_ray_workers) if config.distributed_executor_backend == "ray" \
                 else (start_worker_processes, stop_worker_processes)
-            init_method, rendezvous, self.processes = start(config, multi_token_len)
+            rendezvous, self.processes = start(config, multi_token_len)
             self._stop_processes = weakref.finalize(self, stop, self.processes)
         driver = None
         try:
-            # rank 0 joins the group at the rendezvous kept open till here
-            self.driver = driver = Worker(config, 0, init_method, multi_token_len)
+            # rank 0 forms the group on the store the other ranks connect to
+            self.driver = driver = Worker(config, 0, rendezvous, multi_token_len)
             for process in self.processes:   # before the first collective, which would hang on a dead rank
                 process.expect(LOADED)
             self.driver.init_kv_cache()

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.core.step import StepInputs
 from nanovllm.executor.step_channel import StepChannel, slot_words
-from nanovllm.worker.worker import Worker
+from nanovllm.worker.worker import GROUP_TIMEOUT, Worker
 
 LOADED = "loaded"
 # NVLink multicast (NVLS) stays off on every rank: on shared machines a multicast object can take the
@@ -80,20 +80,26 @@ class WorkerProcess:
             raise RuntimeError(f"{self.name} failed to start:\n{received}")
 
 
-def open_rendezvous(host: str) -> tuple[str, dist.TCPStore]:
-    """The process group's address on `host`, and the store already listening there. A port found
-    free and let go again can be taken by any process before rank 0 listens on it (EADDRINUSE, or
-    ranks meeting another engine's store); rank 0's rendezvous at this address reuses this store's
-    server instead (multi_tenant: one server per address in a process), so keep it until rank 0 joins."""
-    store = dist.TCPStore(host, 0, is_master=True, multi_tenant=True, wait_for_workers=False)
-    return f"tcp://{host}:{store.port}", store
+def open_rendezvous(host: str) -> dist.TCPStore:
+    """The store the ranks form their process group on, listening on `host` before any of them starts.
+    Rank 0 forms the group on this very store and the others connect to it (join_rendezvous): nothing
+    listens twice. A port found free and let go, or listened on again by rank 0 (torch's reuse of a
+    server in its process is keyed by port and misses when the port was an earlier server's), can be
+    taken in between: EADDRINUSE, or ranks meeting a stranger's store."""
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=GROUP_TIMEOUT)
+
+
+def join_rendezvous(address: tuple[str, int]) -> dist.TCPStore:
+    """A worker rank's connection to rank 0's store at (host, port)."""
+    host, port = address
+    return dist.TCPStore(host, port, is_master=False, timeout=GROUP_TIMEOUT)
 
 
 def start_worker_processes(config: Config, multi_token_len: int | None = None
-                           ) -> tuple[str, dist.TCPStore, list[WorkerProcess]]:
-    """Ranks 1.. of `config`, each a Worker in a process of its own; and the process group's address
-    with its store (open_rendezvous)."""
-    init_method, rendezvous = open_rendezvous("127.0.0.1")
+                           ) -> tuple[dist.TCPStore, list[WorkerProcess]]:
+    """Ranks 1.. of `config`, each a Worker in a process of its own; and the store they meet rank 0 at
+    (open_rendezvous)."""
+    rendezvous = open_rendezvous("127.0.0.1")
     context = mp.get_context("spawn")
     workers = []
     tp = config.tensor_parallel_size
@@ -101,7 +107,8 @@ def start_worker_processes(config: Config, multi_token_len: int | None = None
         parent_end, child_end = context.Pipe()
         channel = StepChannel.create(context, slot_words(config))
         process = context.Process(target=worker_main,
-                                  args=(config, rank, init_method, multi_token_len, child_end, channel),
+                                  args=(config, rank, (rendezvous.host, rendezvous.port), multi_token_len,
+                                        child_end, channel),
                                   name=f"nanovllm-rank{rank}", daemon=True)
         process.start()
         child_end.close()
@@ -109,7 +116,7 @@ def start_worker_processes(config: Config, multi_token_len: int | None = None
         name = "" if config.pipeline_parallel_size == 1 else \
             f"worker rank {rank} (pipeline stage {stage}, tensor-parallel rank {tp_rank})"
         workers.append(WorkerProcess(rank, process, parent_end, channel, name))
-    return init_method, rendezvous, workers
+    return rendezvous, workers
 
 
 def stop_worker_processes(workers: list[WorkerProcess]) -> None:
@@ -128,11 +135,11 @@ def stop_worker_processes(workers: list[WorkerProcess]) -> None:
         worker.channel.unlink()
 
 
-def worker_main(config: Config, rank: int, init_method: str, multi_token_len: int | None,
+def worker_main(config: Config, rank: int, rendezvous: tuple[str, int], multi_token_len: int | None,
                 conn: Connection, channel: StepChannel) -> None:
     """A worker rank: build the same model shard, then run every step rank 0 sends until told to stop."""
     try:
-        worker = Worker(config, rank, init_method, multi_token_len)
+        worker = Worker(config, rank, join_rendezvous(rendezvous), multi_token_len)
         conn.send(LOADED)        # before the first collective, which would hang on a dead rank
         worker.init_kv_cache()
     except BaseException:

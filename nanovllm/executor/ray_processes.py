@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.core.step import StepInputs
-from nanovllm.executor.processes import LOADED, MULTICAST_OFF, WorkerCall, open_rendezvous
+from nanovllm.executor.processes import LOADED, MULTICAST_OFF, WorkerCall, join_rendezvous, open_rendezvous
 from nanovllm.worker.worker import Worker
 
 # How long to wait for the cluster to grant every stage's bundles, and for actors to stop.
@@ -40,8 +40,8 @@ class RayWorker:
         import ray
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
 
-    def load(self, config: Config, rank: int, init_method: str, multi_token_len: int | None) -> str:
-        self.worker = Worker(config, rank, init_method, multi_token_len)
+    def load(self, config: Config, rank: int, rendezvous: tuple[str, int], multi_token_len: int | None) -> str:
+        self.worker = Worker(config, rank, join_rendezvous(rendezvous), multi_token_len)
         return LOADED
 
     def init_kv_cache(self) -> None:
@@ -203,10 +203,9 @@ def _place_stages(config: Config, resource: str) -> list:
 
 
 def start_ray_workers(config: Config, multi_token_len: int | None = None
-                      ) -> tuple[str, dist.TCPStore, list[RayRank]]:
-    """Ranks 1.. of `config`, each a RayWorker actor; and the process group's address (this node's
-    IP, reachable from the others) with its store (open_rendezvous). Checks the cluster before any
-    weight is read."""
+                      ) -> tuple[dist.TCPStore, list[RayRank]]:
+    """Ranks 1.. of `config`, each a RayWorker actor; and the store they meet rank 0 at, on this node's
+    IP, reachable from the others (open_rendezvous). Checks the cluster before any weight is read."""
     import ray
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -217,8 +216,7 @@ def start_ray_workers(config: Config, multi_token_len: int | None = None
         resource = "GPU" if config.device == "cuda" else "CPU"
         _check_cluster(config, resource)
         group.placement_groups = _place_stages(config, resource)
-        ip = ray.util.get_node_ip_address()
-        init_method, rendezvous = open_rendezvous(ip)
+        rendezvous = open_rendezvous(ray.util.get_node_ip_address())
         actor_class = ray.remote(RayWorker)
         tp, ranks = config.tensor_parallel_size, []
         for rank in range(1, config.world_size):
@@ -233,8 +231,9 @@ def start_ray_workers(config: Config, multi_token_len: int | None = None
         for handle, (node_id, node_ip, pid) in zip(ranks, ray.get([r.actor.where.remote() for r in ranks])):
             handle.node_id, handle.node_ip, handle.pid = node_id, node_ip, pid
         for handle in ranks:
-            handle.loading = handle.actor.load.remote(config, handle.rank, init_method, multi_token_len)
-        return init_method, rendezvous, ranks
+            handle.loading = handle.actor.load.remote(config, handle.rank, (rendezvous.host, rendezvous.port),
+                                                      multi_token_len)
+        return rendezvous, ranks
     except BaseException:
         for g in group.placement_groups:
             remove_placement_group(g)

@@ -51,6 +51,9 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
+GROUP_TIMEOUT = timedelta(minutes=10)     # for the ranks to meet, and for a collective to finish
+
+
 def release_process_state() -> None:
     """Forget what a rank sets for its whole process (the parallel state, the one-shot all-reduce):
     at close, and when its start failed part way, so that the next engine here starts from none."""
@@ -62,7 +65,7 @@ class Worker(WorkerRollout):
     """One rank: rank 0 lives in the engine's process, the others in processes an executor starts.
     Rollout control (in-place weight updates, sleep and wake up) is WorkerRollout's (rollout.py)."""
 
-    def __init__(self, config: Config, rank: int = 0, init_method: str | None = None,
+    def __init__(self, config: Config, rank: int = 0, rendezvous: dist.Store | None = None,
                  multi_token_len: int | None = None):
         self.config = config
         self.rank = rank
@@ -79,8 +82,8 @@ class Worker(WorkerRollout):
         if self.world_size > 1:
             if not self.is_cuda:   # ranks share the cores
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
-            dist.init_process_group("nccl" if self.is_cuda else "gloo", init_method=init_method,
-                                    world_size=self.world_size, rank=rank, timeout=timedelta(minutes=10))
+            dist.init_process_group("nccl" if self.is_cuda else "gloo", store=rendezvous,
+                                    world_size=self.world_size, rank=rank, timeout=GROUP_TIMEOUT)
         # before the model is built (every rank, one too): its layers take their shard and group from it
         self.parallel = init_parallel_state(rank, self.tp_size, config.pipeline_parallel_size)
         if self.tp_size > 1 and not config.disable_custom_all_reduce:
