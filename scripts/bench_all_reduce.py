@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanovllm.executor.processes import MULTICAST_OFF
+from nanovllm.executor.processes import MULTICAST_OFF, join_rendezvous, open_rendezvous
 from nanovllm.layers.all_reduce import OneShotAllReduce
 
 CALLS, REPLAYS = 50, 20
@@ -38,8 +38,7 @@ def per_call_us(reduce, x: torch.Tensor) -> float:
 
 def rank_main(rank: int, port: int, sizes_kib: list[int]) -> None:
     torch.cuda.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)     # the parent's, listening since before
-    dist.init_process_group("nccl", store=store, world_size=2, rank=rank)
+    dist.init_process_group("nccl", store=join_rendezvous(("127.0.0.1", port)), world_size=2, rank=rank)
     one_shot = OneShotAllReduce(dist.group.WORLD, torch.device("cuda", rank), torch.bfloat16, max(sizes_kib) * 1024)
     for kib in sizes_kib:
         x = torch.randn(kib * 512, device="cuda", dtype=torch.bfloat16) * 1e-3
@@ -58,6 +57,5 @@ if __name__ == "__main__":
     if torch.cuda.device_count() < 2:
         parser.error("needs two CUDA devices")
     os.environ.update(MULTICAST_OFF)
-    # held listening until the ranks are done: a port found free and let go could be taken meanwhile
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    store = open_rendezvous("127.0.0.1")     # held listening until the ranks are done
     mp.spawn(rank_main, args=(store.port, args.sizes_kib), nprocs=2)

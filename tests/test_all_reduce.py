@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanovllm.executor.processes import MULTICAST_OFF
+from nanovllm.executor.processes import MULTICAST_OFF, join_rendezvous, open_rendezvous
 from nanovllm.layers import all_reduce
 from nanovllm.layers.all_reduce import ONE_SHOT_MAX_BYTES, start_one_shot_all_reduce, stop_one_shot_all_reduce, \
     tensor_parallel_all_reduce
@@ -41,8 +41,8 @@ def check_rank(rank: int, port: int, device_type: str, failures) -> None:
         if device_type == "cuda":
             torch.cuda.set_device(rank)
             os.environ.update(MULTICAST_OFF)     # as the engine's ranks: no NVLink multicast object, ever
-        store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)     # the parent's, listening since before
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=store, world_size=2, rank=rank)
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=join_rendezvous(("127.0.0.1", port)),
+                                world_size=2, rank=rank)
         start_one_shot_all_reduce(None, torch.device(device), torch.bfloat16)
         assert (all_reduce._one_shot is not None) == (device_type == "cuda")
         dtypes = [torch.bfloat16, torch.float16] if device_type == "cuda" else [torch.float32]
@@ -78,7 +78,7 @@ def check_in_cuda_graph(rank: int, device: str) -> None:
 
 
 def run_two_ranks(device_type: str) -> None:
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    store = open_rendezvous("127.0.0.1")    # held listening until the ranks are done
     port = store.port
     context = mp.get_context("spawn")
     failures = context.Queue()
